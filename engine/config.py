@@ -1,0 +1,164 @@
+"""Engine configuration: plain values, validated once.
+
+`EngineConfig` never touches disk; `ModelConfig.from_pretrained` is the one place
+that reads a checkpoint's config.json, so a scheduler can be built in a test
+from numbers alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "triton", "torch")
+# Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
+# Pages are only touched when used, so an unused budget costs address space, not RAM.
+DEFAULT_CPU_KV_CACHE_GB = 4.0
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs from a HF config.json, for the supported families."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections have a bias (Qwen2)
+    qk_norm: bool = False          # RMSNorm on q and k per head (Qwen3)
+    hidden_act: str = "silu"
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | os.PathLike) -> "ModelConfig":
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config.json in {model_path!s}")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "<missing>")
+        _refuse_unsupported_features(hf, arch)
+        heads = hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or None  # transformers 5 / 4 names
+        rope_theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope is not None and (rope.get("rope_type") or rope.get("type") or "default") == "default":
+            rope = None
+        elif rope is not None:
+            rope = dict(rope, rope_type=rope.get("rope_type") or rope.get("type"))
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=hf.get("hidden_act", "silu"),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", ""),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+
+def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
+    """Refuse what we would otherwise silently mis-run."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    sliding = hf.get("sliding_window")
+    uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+    if sliding is not None and uses_sliding and sliding < hf.get("max_position_embeddings", 0):
+        raise ValueError(f"sliding_window={sliding} is not supported (sliding-window attention is not implemented)")
+    if hf.get("quantization_config"):
+        raise ValueError("quantized checkpoints (quantization_config) are not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs, as vLLM names them. `model` is a local directory (or a hub id resolved by the loader)."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on CPU
+    max_model_len: int | None = None            # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None            # None: from gpu_memory_utilization / cpu_kv_cache_gb
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = DEFAULT_CPU_KV_CACHE_GB
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    distributed_init_method: str | None = None  # "tcp://host:port" for TP workers; None picks a free local port
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, _DTYPES)
+        _choice("device", self.device, _DEVICES)
+        _choice("attention_backend", self.attention_backend, _BACKENDS)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("block_size", self.block_size)
+        if self.block_size % 8 or self.block_size > 256:
+            raise ValueError(f"block_size={self.block_size} is invalid: must be a multiple of 8 and <= 256")
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: must be in (0, 1]")
+        if self.cpu_kv_cache_gb <= 0:
+            raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb} is invalid: must be > 0")
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid: choose one of {choices}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")

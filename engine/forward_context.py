@@ -1,0 +1,62 @@
+"""The one place per-step attention metadata lives during a forward.
+
+Model code sees only `(input_ids, positions)`; each `Attention` layer reads the
+metadata from here. It is set around the forward and restored in `finally`, so
+a failed step never leaves stale metadata for the next.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat-batch layout: tokens of sequence s are rows cu_seqlens_q[s]:cu_seqlens_q[s+1].
+
+    Example, block_size 4, a 6-token prefill chunk of seq 0 with 2 tokens cached, and a decode of seq 1:
+        query rows      [ s0 s0 s0 s0 s0 s0 | s1 ]     cu_seqlens_q = [0, 6, 7]
+        seq_lens        [ 8, 21 ]   (cached + new; row i of seq s sits at position seq_len - q_len + i)
+        slot_mapping    one cache slot per row = block_table[pos // 4] * 4 + pos % 4
+    """
+
+    slot_mapping: torch.Tensor    # [num_tokens] int64, where each new token's K/V go (< 0: padding, skipped)
+    block_tables: torch.Tensor    # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    seq_lens: torch.Tensor        # [num_seqs] int32, context length incl. the new tokens
+    cu_seqlens_q: torch.Tensor    # [num_seqs + 1] int32, query row offsets
+    max_seqlen_q: int             # longest query chunk in this step
+    max_seqlen_k: int             # longest context in this step
+    # Host copies, so the torch backend can slice without a device sync.
+    seq_lens_cpu: list[int] | None = None
+    query_lens_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context: the model must run inside set_forward_context()")
+    return _forward_context
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None):
+    global _forward_context
+    prev = _forward_context
+    _forward_context = ForwardContext(attn_metadata)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = prev

@@ -1,0 +1,97 @@
+"""The dataclasses that pass between the stages, and nothing else.
+
+    Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler.update_from_output
+    LLMEngine --RequestOutput--> LLM / AsyncLLM callers
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute in one step.
+
+    Tokens are laid out flat in `seqs` order: sequence i computes the tokens
+    `token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[i]]`
+    (a decode schedules 1, a prefill chunk several; prefill and decode mix).
+    """
+
+    seqs: list[Sequence]               # scheduled sequences, in flat-token order
+    num_scheduled_tokens: list[int]    # new tokens computed for each, >= 1
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step (for stats)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def sample_flags(self) -> list[bool]:
+        """A sequence samples when its chunk reaches the end of its known tokens."""
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
+
+
+@dataclass
+class SampleLogprobs:
+    """Log-probabilities around one sampled token."""
+
+    token_id: int             # the sampled token
+    logprob: float            # its log-probability under the sampling distribution's logits (log_softmax of raw logits)
+    rank: int                 # 1-based rank of the sampled token among all logits
+    top_token_ids: list[int]  # the k most likely tokens, most likely first
+    top_logprobs: list[float] # and their log-probabilities
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, for the sequences whose sample flag was set, in scheduler order."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[SampleLogprobs | None] | None = None  # None when no sequence asked for logprobs
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token logprob record."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int                      # which of the request's n completions
+    text: str                       # generated text (stop strings excluded unless asked)
+    token_ids: list[int]            # generated token ids
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled + top-k
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id, when finish_reason == "stop"
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,77 @@
+"""Per-sequence state. No torch: the scheduler and block manager are tested in milliseconds.
+
+A request with n > 1 becomes n `Sequence`s that share the prompt; `index` says
+which completion each one is.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()   # queued, or preempted and waiting to be recomputed
+    RUNNING = enum.auto()   # holds KV blocks and is scheduled every step
+    FINISHED = enum.auto()  # done; finish_reason says why; its blocks are freed
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 index: int = 0, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.seq_id = next(_seq_counter)  # unique across the process; keys per-sequence sampler state
+        self.index = index                # which of the request's n completions this is
+        self.sampling_params = sampling_params
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt followed by output tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0      # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0        # of those, how many came from the prefix cache at admission
+        self.block_table: list[int] = []  # KV block ids, in order
+        self.block_hashes: list[int] = [] # chained hashes of this sequence's full blocks (prefix caching)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        # With n > 1: the sibling whose prompt blocks this sequence shares once they are computed.
+        self.prefix_source: Sequence | None = None
+        # Filled by the sampler when logprobs are requested: one entry per output token.
+        self.output_logprobs: list = []
+
+    # -- token views -------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, idx={self.index}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.name})")
