@@ -95,3 +95,19 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ModelInput:
+    """One step's flat model inputs as host lists: built by rank 0, replayed by every TP worker.
+
+    Plain lists (not tensors) so the message to worker processes is small and device-free.
+    """
+
+    input_ids: list[int]       # [num_tokens]
+    positions: list[int]       # [num_tokens]
+    slot_mapping: list[int]    # [num_tokens], cache slot of each new token
+    block_tables: list[list[int]]  # [num_seqs][max_blocks], padded with 0
+    seq_lens: list[int]        # [num_seqs], context length incl. new tokens
+    query_lens: list[int]      # [num_seqs], new tokens per sequence
+    sample_rows: list[int]     # flat row indices whose logits are sampled

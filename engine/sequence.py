@@ -43,6 +43,8 @@ class Sequence:
         self.prefix_source: Sequence | None = None
         # Filled by the sampler when logprobs are requested: one entry per output token.
         self.output_logprobs: list = []
+        # Structured output: this sequence's grammar matcher (engine.guided), or None. Opaque here.
+        self.grammar = None
 
     # -- token views -------------------------------------------------------
     @property

@@ -1,0 +1,27 @@
+"""Executors run the model for the engine: in-process (one device) or across TP worker processes.
+
+Both expose the same small surface, so `LLMEngine` doesn't know which it has.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
+                 eos_token_ids: list[int]):
+        self.runner = ModelRunner(config, model_config, model_path, eos_token_ids)
+        self.num_kv_blocks = self.runner.num_kv_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output, allowed_token_bitmask)
+
+    def free_seq(self, seq_id: int) -> None:
+        self.runner.free_seq(seq_id)
+
+    def shutdown(self) -> None:
+        pass

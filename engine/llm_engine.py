@@ -1,0 +1,230 @@
+"""The synchronous engine core: requests in, one step at a time, RequestOutputs out.
+
+`LLM` (offline) and `AsyncLLM` (serving) both wrap it. One thread drives it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import resolve_model_path
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
+        self.config = config = _resolve_defaults(config, self.model_config)
+        self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer)
+        self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=config.max_model_len, block_manager=self.block_manager,
+                                   eos_token_ids=self.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.num_generated_tokens = 0  # lifetime counter, for metrics
+        self.num_preemptions = 0
+        logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
+                    self.executor.num_kv_blocks, config.block_size)
+
+    # -- requests --------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                     arrival_time: float | None = None) -> RequestState:
+        """Tokenize and validate; touches no engine state, so a caller may run it on any thread."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival) for i in range(params.n)]
+        for sib in seqs[1:]:
+            sib.prefix_source = seqs[0]
+        if params.structured_outputs is not None:
+            compiled = self.structured_outputs.compile(params.structured_outputs)  # ValueError if unusable
+            for seq in seqs:
+                seq.grammar = self.structured_outputs.new_matcher(compiled)
+        detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
+        return RequestState(request_id, text, token_ids, params, seqs, detoks, RequestMetrics(arrival))
+
+    def add_request_state(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        added = []
+        try:
+            for seq in state.seqs:
+                self.scheduler.add_seq(seq)
+                added.append(seq)
+        except BaseException:
+            if added:  # registered only once whole, so a refused request never lingers
+                self.scheduler.abort(state.request_id)
+            raise
+        self.requests[state.request_id] = state
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add_request_state(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort and free; returns the request's final output (finish_reason "abort"), or None if unknown."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        for seq in state.seqs:
+            self.executor.free_seq(seq.seq_id)
+        return state.make_output(set(range(len(state.seqs))), self.tokenizer)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        self.num_preemptions += len(sched_out.preempted)
+        if sched_out.is_empty:
+            return []
+        # Which sequences sample, read before update_from_output advances them.
+        sampled = [s for s, f in zip(sched_out.seqs, sched_out.sample_flags()) if f]
+        bitmask = None
+        if any(s.grammar is not None for s in sampled):
+            bitmask = self.structured_outputs.fill_bitmask([s.grammar for s in sampled])
+        runner_out = self.executor.execute_model(sched_out, bitmask)
+        for seq, entry in zip(sampled, runner_out.logprobs or ()):
+            if entry is not None:
+                seq.output_logprobs.append(entry)
+        updated = self.scheduler.update_from_output(sched_out, runner_out)
+        return self._process_updates(updated)
+
+    def _process_updates(self, updated: list[Sequence]) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: dict[str, set[int]] = {}
+        for seq in updated:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            self.num_generated_tokens += 1
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                state.metrics.num_cached_tokens = state.seqs[0].num_cached_tokens
+            stop_str = state.detokenizers[seq.index].update([seq.last_token_id])
+            if stop_str is not None:
+                self._finish_on_stop_string(seq, stop_str)
+            if seq.grammar is not None:
+                self._advance_grammar(seq)
+            if seq.is_finished:
+                self.executor.free_seq(seq.seq_id)
+            changed.setdefault(seq.request_id, set()).add(seq.index)
+        return self._collect_outputs(changed, now)
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        seq.grammar.accept_token(seq.last_token_id)
+        if seq.grammar.is_finished() and not seq.is_finished:  # the document is complete: end here
+            self.scheduler.finish_seq(seq, "stop", None)
+
+    @functools.cached_property
+    def structured_outputs(self):
+        from engine.guided import StructuredOutputManager  # xgrammar is loaded only when first needed
+        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+
+    def _finish_on_stop_string(self, seq: Sequence, stop_str: str) -> None:
+        if seq.is_finished:  # also hit a length limit on this token: the stop string wins, as in vLLM
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        else:
+            self.scheduler.finish_seq(seq, "stop", stop_str)
+
+    def _collect_outputs(self, changed: dict[str, set[int]], now: float) -> list[RequestOutput]:
+        outputs = []
+        for request_id, indices in changed.items():
+            state = self.requests[request_id]
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[request_id]
+            out = state.make_output(indices, self.tokenizer)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # -- helpers ------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of vocabulary (vocab_size={vocab})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size={vocab})")
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+
+    def get_stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _resolve_defaults(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    from engine.model_runner import resolve_device
+    on_cuda = resolve_device(config.device).type == "cuda"
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{model_config.max_position_embeddings}")
+    budget = config.max_num_batched_tokens or (8192 if on_cuda else 2048)
+    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
+
+
+def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:
+    ids = list(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _make_executor(config: EngineConfig, model_config: ModelConfig, model_path, eos_token_ids):
+    if config.tensor_parallel_size > 1:
+        from engine.distributed_executor import MultiprocExecutor
+        return MultiprocExecutor(config, model_config, model_path, eos_token_ids)
+    from engine.executor import UniprocExecutor
+    return UniprocExecutor(config, model_config, model_path, eos_token_ids)

@@ -1,0 +1,218 @@
+"""Scheduler output -> flat tensors -> model -> logits of the rows that sample -> sampler.
+
+Owns the model, the KV cache and the sampler of one (tensor-parallel rank of an)
+engine. Knows nothing about requests, text or asyncio.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.distributed import get_tp_size
+from engine.forward_context import AttentionMetadata, set_forward_context
+from engine.layers.attention import Attention
+from engine.loader import load_weights
+from engine.models import get_model_class
+from engine.outputs import ModelInput, ModelRunnerOutput, SchedulerOutput
+from engine.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, model_config: ModelConfig) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU bf16 matmuls are slower than fp32 on most hosts
+    # On GPU: the checkpoint's half type if it has one, else bf16.
+    return _DTYPES.get(model_config.torch_dtype, torch.bfloat16) if model_config.torch_dtype != "float32" \
+        else torch.bfloat16
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
+                 eos_token_ids: list[int]):
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = self._build_model(model_path)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=config.seed, device=self.device)
+        # Every TP rank must hold the same number of blocks: take the smallest any rank can afford.
+        self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
+        self._allocate_kv_cache(self.num_kv_blocks)
+
+    # -- setup ---------------------------------------------------------------
+    def _build_model(self, model_path: Path) -> torch.nn.Module:
+        cls = get_model_class(self.model_config.architecture)
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.model_config, attention_backend=self.attention_backend)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+        load_weights(model, model_path)
+        return model.eval()
+
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        attn = self.attn_layers[0]
+        return (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+
+    def _bytes_per_block(self) -> int:
+        return 2 * len(self.attn_layers) * math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
+
+    def _determine_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        # Enough for every sequence at full length; more would only feed the prefix cache.
+        cap = self.config.max_num_seqs * math.ceil(self.config.max_model_len / self.block_size)
+        if self.device.type == "cpu":
+            budget = int(self.config.cpu_kv_cache_gb * 2**30)
+        else:
+            budget = self._profile_free_gpu_memory()
+        num_blocks = min(cap, budget // self._bytes_per_block())
+        if num_blocks < 1:
+            raise ValueError(f"no room for a single KV block (budget {budget} bytes, "
+                             f"{self._bytes_per_block()} bytes per block); raise the memory budget")
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest step once (no KV cache yet) and return what is left for the cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._allocate_kv_cache(1)
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, dtype=torch.long, device=self.device)
+        meta = self._dummy_prefill_metadata(n)
+        with set_forward_context(meta):
+            hidden = self.model(ids, pos)
+            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - used_by_others
+        logger.info("KV cache budget %.2f GiB (peak activation %.2f GiB)", budget / 2**30, peak / 2**30)
+        return max(budget, 0)
+
+    def _dummy_prefill_metadata(self, n: int) -> AttentionMetadata:
+        # One sequence writing to slot -1 (skipped) and reading block 0 only for causal context.
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((1, math.ceil(n / self.block_size)), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_seqlen_q=n, max_seqlen_k=n, seq_lens_cpu=[n], query_lens_cpu=[n])
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        # Zero-filled: padded key positions are masked, but 0 * NaN garbage would still poison a row.
+        shape = self._kv_cache_shape(num_blocks)
+        for layer in self.attn_layers:
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- one step ------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
+        """Rank 0's step: build inputs, run the model, sample."""
+        model_input = self.prepare_inputs(scheduler_output)
+        return self.sample(self.run_model(model_input), scheduler_output, allowed_token_bitmask)
+
+    @torch.inference_mode()
+    def run_model(self, mi: ModelInput) -> torch.Tensor | None:
+        """Forward over the flat batch; logits [num_sample_rows, vocab] (every TP rank runs this)."""
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(mi.slot_mapping, torch.long),
+            block_tables=self._to_device(mi.block_tables, torch.int32),
+            seq_lens=self._to_device(mi.seq_lens, torch.int32),
+            cu_seqlens_q=self._to_device(_cumsum0(mi.query_lens), torch.int32),
+            max_seqlen_q=max(mi.query_lens), max_seqlen_k=max(mi.seq_lens),
+            seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens)
+        with set_forward_context(meta):
+            hidden = self.model(self._to_device(mi.input_ids, torch.long), self._to_device(mi.positions, torch.long))
+        if not mi.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(mi.sample_rows, torch.long)]).float()
+
+    def sample(self, logits: torch.Tensor | None, so: SchedulerOutput, allowed_token_bitmask=None):
+        seqs = [s for s, f in zip(so.seqs, so.sample_flags()) if f]
+        if logits is None or not seqs:
+            return ModelRunnerOutput(sampled_token_ids=[])
+        if allowed_token_bitmask is not None:
+            allowed_token_bitmask = allowed_token_bitmask.to(self.device, non_blocking=True)
+        token_ids, logprobs = self.sampler(logits, seqs, allowed_token_bitmask)
+        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        mi = ModelInput([], [], [], [], [], list(so.num_scheduled_tokens), [])
+        num_rows = 0
+        for seq, n, samples in zip(so.seqs, so.num_scheduled_tokens, so.sample_flags()):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            mi.input_ids.extend(seq.token_ids[start:end])
+            mi.positions.extend(range(start, end))
+            bt = seq.block_table
+            mi.slot_mapping.extend([bt[p // bs] * bs + p % bs for p in range(start, end)])
+            mi.seq_lens.append(end)
+            num_rows += n
+            if samples:
+                mi.sample_rows.append(num_rows - 1)  # the chunk's last row predicts the next token
+        max_blocks = max(-(-s // bs) for s in mi.seq_lens)
+        for seq in so.seqs:
+            bt = seq.block_table[:max_blocks]
+            mi.block_tables.append(bt + [0] * (max_blocks - len(bt)))
+        return mi
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        # Pinned staging lets the copy overlap; no sync until the sampler reads tokens back.
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def free_seq(self, seq_id: int) -> None:
+        self.sampler.free(seq_id)
+
+
+def _cumsum0(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _min_over_ranks(value: int, device: torch.device) -> int:
+    if get_tp_size() == 1:
+        return value
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

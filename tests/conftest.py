@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random-weight HF checkpoints built on the fly, and the KV-leak check."""
+import os
+
+import torch
+
+# Triton kernels run under the interpreter on CPU; this must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from engine.tiny_model import make_tiny_model  # noqa: E402
+
+
+def _build(tmp_path_factory, arch: str, **kw):
+    return str(make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, preset="tiny", seed=0, **kw))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return _build(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    return _build(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    return _build(tmp_path_factory, "qwen3")

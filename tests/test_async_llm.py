@@ -1,0 +1,138 @@
+"""AsyncLLM: streaming, abort, cancellation and failure delivery."""
+import asyncio
+
+import pytest
+
+from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
+from engine.async_llm import EngineDeadError
+
+
+@pytest.fixture
+def make_llm(tiny_llama):
+    engines = []
+
+    def make(**kw):
+        llm = AsyncLLM(EngineConfig(model=tiny_llama, device="cpu", dtype="float32", **kw))
+        engines.append(llm)
+        return llm
+    yield make
+    for llm in engines:
+        llm.shutdown()
+        if llm._error is None:
+            llm.engine.block_manager.check_no_leak()
+
+
+async def _collect(llm, prompt, params, request_id):
+    return [out async for out in llm.generate(prompt, params, request_id)]
+
+
+async def _wait_idle(llm, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while llm.get_stats()["num_requests_running"] or llm.get_stats()["kv_cache_usage"]:
+        assert asyncio.get_running_loop().time() < deadline, llm.get_stats()
+        await asyncio.sleep(0.02)
+
+
+def test_streamed_deltas_concatenate_to_final_text(make_llm):
+    llm = make_llm()
+
+    async def main():
+        base = dict(temperature=0, max_tokens=24, ignore_eos=True)
+        deltas = await _collect(llm, "Once upon", SamplingParams(**base, output_kind=RequestOutputKind.DELTA), "d")
+        final = await _collect(llm, "Once upon", SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY), "f")
+        assert len(deltas) > 1 and len(final) == 1
+        assert "".join(o.outputs[0].text for o in deltas) == final[0].outputs[0].text
+        assert sum((o.outputs[0].token_ids for o in deltas), []) == final[0].outputs[0].token_ids
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+    asyncio.run(main())
+
+
+def test_concurrent_requests_equal_sequential(make_llm):
+    llm = make_llm()
+    prompts = [f"prompt number {i}" for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def main():
+        seq = [(await _collect(llm, p, params, f"s{i}"))[-1].outputs[0].token_ids for i, p in enumerate(prompts)]
+        conc = await asyncio.gather(*[_collect(llm, p, params, f"c{i}") for i, p in enumerate(prompts)])
+        assert [c[-1].outputs[0].token_ids for c in conc] == seq
+    asyncio.run(main())
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(make_llm):
+    llm = make_llm()
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        gen = llm.generate("a long one", params, "gone")
+        await gen.__anext__()
+        assert llm.get_stats()["num_requests_running"] == 1 or llm.get_stats()["kv_cache_usage"] > 0
+        await gen.aclose()  # what a client disconnect does to the consumer
+        await _wait_idle(llm)
+
+        task = asyncio.ensure_future(_collect(llm, "another", params, "cancelled"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _wait_idle(llm)
+    asyncio.run(main())
+
+
+def test_explicit_abort_ends_stream_with_abort(make_llm):
+    llm = make_llm()
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        gen = llm.generate("to be aborted", params, "ab")
+        await gen.__anext__()
+        await llm.abort("ab")
+        outs = [o async for o in gen]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        await _wait_idle(llm)
+    asyncio.run(main())
+
+
+def test_bad_request_raises_value_error(make_llm):
+    llm = make_llm(max_model_len=64)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(llm, {"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=10), "long")
+        with pytest.raises(ValueError, match="vocab"):
+            await _collect(llm, {"prompt_token_ids": [10**7]}, SamplingParams(), "oov")
+        ok = await _collect(llm, "still alive", SamplingParams(max_tokens=3), "ok")
+        assert ok[-1].finished
+    asyncio.run(main())
+
+
+def test_step_failure_reaches_every_waiter(make_llm):
+    llm = make_llm()
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        llm.engine.executor.execute_model = boom
+        results = await asyncio.gather(*[_collect(llm, f"p{i}", params, f"r{i}") for i in range(3)],
+                                       return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) and "injected" in str(r) for r in results), results
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, "after death", params, "late")
+    asyncio.run(main())
+
+
+def test_shutdown_aborts_in_flight(make_llm):
+    llm = make_llm()
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        gen = llm.generate("long running", params, "inflight")
+        await gen.__anext__()
+        await asyncio.to_thread(llm.shutdown)
+        outs = [o async for o in gen]
+        assert outs[-1].outputs[0].finish_reason == "abort"
+    asyncio.run(main())

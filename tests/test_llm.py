@@ -1,0 +1,150 @@
+"""The engine against HF transformers, token for token, under every scheduling regime."""
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.hf_reference import assert_matches, hf_greedy
+
+PROMPT_LENS = [1, 5, 16, 17, 40, 128, 333, 700]
+MAX_TOKENS = 20
+
+
+def _prompts(vocab_size: int, lens=PROMPT_LENS, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lens]
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.block_manager.check_no_leak()
+    return outs
+
+
+def _check_against_hf(path, llm, prompts, max_tokens=MAX_TOKENS):
+    outs = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        assert out.prompt_token_ids == p
+        assert out.outputs[0].finish_reason == "length"
+        assert_matches(out.outputs[0].token_ids, hf_greedy(path, p, max_tokens), f"prompt of {len(p)} tokens")
+    return outs
+
+
+REGIMES = {
+    "default": {},
+    "chunked_prefill": {"max_num_batched_tokens": 48},
+    "preemption": {"num_kv_blocks": 60, "max_num_batched_tokens": 256},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_greedy_equals_hf(arch, regime, request):
+    path = request.getfixturevalue(arch)
+    llm = LLM(path, dtype="float32", device="cpu", **REGIMES[regime])
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size)
+    _check_against_hf(path, llm, prompts)
+    if regime == "preemption":
+        assert llm.llm_engine.num_preemptions > 0, "the tiny cache should have forced preemption"
+
+
+def test_prefix_caching_family(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", enable_prefix_caching=True)
+    rng = random.Random(1)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(200)]
+    family = [prefix + [rng.randrange(vocab) for _ in range(n)] for n in (1, 7, 16, 33)]
+    _check_against_hf(tiny_llama, llm, family[:1])  # warms the cache with the shared prefix
+    outs = _check_against_hf(tiny_llama, llm, family)
+    assert all(o.num_cached_tokens >= 192 for o in outs), [o.num_cached_tokens for o in outs]
+
+
+def test_seed_reproducible_across_batches(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens=[30, 7, 90])
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    alone = _run(llm, prompts[:1], seeded)[0].outputs[0].token_ids
+    mixed = _run(llm, [prompts[1], prompts[0], prompts[2]], [other, seeded, other])[1].outputs[0].token_ids
+    assert alone == mixed
+    different = _run(llm, prompts[:1], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
+                                                      ignore_eos=True))[0].outputs[0].token_ids
+    assert different != alone
+
+
+def test_stop_strings(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    prompt = "The quick brown fox"
+    full = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    assert len(full.text) > 6, full.text
+    stop = full.text[3:6]
+    first = full.text.find(stop)
+    out = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (full.text[:first], "stop", stop)
+    kept = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
+                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[:first + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    full = _run(llm, ["hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_tok = full.token_ids[4]
+    first = full.token_ids.index(stop_tok)
+    out = _run(llm, ["hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_tok)
+
+
+def test_n_greater_than_one(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[70])[0]
+    greedy = _run(llm, [prompt], SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ref = hf_greedy(tiny_llama, prompt, 10)
+    assert [c.index for c in greedy.outputs] == [0, 1, 2]
+    for c in greedy.outputs:
+        assert_matches(c.token_ids, ref, "n=3 greedy")
+    sampled = _run(llm, [prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+    again = _run(llm, [prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in sampled.outputs]
+
+
+def test_logprobs_equal_hf_log_softmax(tiny_qwen2):
+    llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[25])[0]
+    out = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
+    ref = hf_greedy(tiny_qwen2, prompt, 8)
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 8
+    for tok, lp, ref_lp in zip(c.token_ids, c.logprobs, ref.logprobs):
+        assert lp[tok].logprob == pytest.approx(ref_lp[tok].item(), abs=1e-4)
+        top = ref_lp.topk(5)
+        for tid, val in zip(top.indices.tolist(), top.values.tolist()):
+            assert lp[tid].logprob == pytest.approx(val, abs=1e-4)
+
+
+def test_refuses_requests_that_cannot_fit(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="256"):
+        llm.generate([{"prompt_token_ids": [1] * 250}], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="block"):
+        llm.generate([{"prompt_token_ids": [1] * 200}], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="vocab"):
+        llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
+    llm.llm_engine.block_manager.check_no_leak()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_text_prompt_and_detokenized_output(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    out = _run(llm, ["café 日本語"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode("café 日本語")
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
