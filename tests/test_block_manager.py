@@ -1,0 +1,221 @@
+"""BlockManager: exact block ids, ref counts, prefix-cache hits and LRU eviction order (block_size 4)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager, assert_no_leak, hash_block_tokens
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(token_ids, request_id="r") -> Sequence:
+    return Sequence(request_id, list(token_ids), SamplingParams(max_tokens=8))
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """Admit `seq` whole (prefix-cache hit + the rest), as the scheduler does; returns the hit tokens."""
+    num_cached = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, seq.num_tokens - num_cached, num_computed_from_cache=num_cached)
+    return num_cached
+
+
+def compute(bm: BlockManager, seq: Sequence) -> None:
+    """Pretend the model ran over every allocated-but-uncomputed token."""
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def test_allocation_ids_and_ref_counts():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a, b = make_seq(range(10)), make_seq(range(100, 105))
+    assert bm.allocate_slots(a, 10) and bm.allocate_slots(b, 5)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
+    assert bm.ref_counts == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert bm.get_num_free_blocks() == 3 and bm.usage == pytest.approx(5 / 8)
+    # Growing into the partial block needs nothing; crossing a block boundary takes the next id.
+    a.num_computed_tokens = 10
+    assert bm.allocate_slots(a, 2) and a.block_table == [0, 1, 2]
+    a.num_computed_tokens = 12
+    assert bm.allocate_slots(a, 1) and a.block_table == [0, 1, 2, 5]
+    bm.check_invariants([a, b])
+
+
+def test_allocate_fails_without_change():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a, b = make_seq(range(8)), make_seq(range(50, 58))
+    assert bm.allocate_slots(a, 8)
+    assert not bm.allocate_slots(b, 8)  # needs 2, only 1 free
+    assert b.block_table == [] and bm.get_num_free_blocks() == 1 and list(bm.free_block_ids) == [2]
+    bm.check_invariants([a, b])
+
+
+def test_free_order_uncached_blocks_reused_first():
+    bm = BlockManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
+    a = make_seq(range(10))
+    admit(bm, a)
+    compute(bm, a)
+    bm.free(a)
+    # Nothing cached: freed blocks go to the front, so the next request gets the same ids back.
+    assert list(bm.free_block_ids) == [0, 1, 2, 3, 4, 5]
+    assert_no_leak(bm)
+
+
+def test_prefix_hit_reuses_exact_blocks():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(10))                      # [0 1 2 3][4 5 6 7][8 9]
+    admit(bm, a)
+    compute(bm, a)
+    b = make_seq(list(range(8)) + [77, 78, 79])  # same two leading blocks
+    assert admit(bm, b) == 8
+    assert b.block_table == [0, 1, 3] and b.num_computed_tokens == 8
+    assert bm.ref_counts[:4] == [2, 2, 1, 1]
+    assert (bm.num_hit_tokens, bm.num_queried_tokens) == (8, 10 + 11)
+    assert bm.prefix_cache_hit_rate == pytest.approx(8 / 21)
+    bm.free(a)
+    bm.free(b)
+    assert_no_leak(bm)
+
+
+def test_partial_blocks_never_cached():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(10))
+    admit(bm, a)
+    compute(bm, a)
+    assert bm.block_hashes[2] is None and len(bm.cached_block_ids) == 2
+    b = make_seq(range(11))  # shares a's partial block's tokens too, but only full blocks hit
+    assert admit(bm, b) == 8 and b.block_table == [0, 1, 3]
+
+
+def test_uncomputed_blocks_not_cached():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(12))
+    admit(bm, a)
+    a.num_computed_tokens = 6  # a chunk: block 0 computed, block 1 only half
+    bm.cache_full_blocks(a)
+    assert list(bm.cached_block_ids.values()) == [0]
+    assert bm.get_computed_blocks(make_seq(range(12))) == 4
+
+
+@pytest.mark.parametrize("num_tokens, expected_hit", [(8, 4), (9, 8), (12, 8), (13, 12)])
+def test_full_prompt_hit_leaves_one_token(num_tokens, expected_hit):
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(16))
+    admit(bm, a)
+    compute(bm, a)
+    b = make_seq(range(num_tokens))
+    assert bm.get_computed_blocks(b) == expected_hit
+    assert admit(bm, b) == expected_hit
+    assert b.num_tokens - b.num_computed_tokens >= 1
+
+
+def test_lru_eviction_tail_before_head_and_oldest_first():
+    bm = BlockManager(num_blocks=7, block_size=BS)
+    a, b = make_seq(range(12)), make_seq(range(100, 108))  # a: 3 full blocks, b: 2
+    admit(bm, a)
+    admit(bm, b)
+    compute(bm, a)
+    compute(bm, b)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
+    bm.free(a)
+    bm.free(b)
+    # Never-used blocks first, then a (freed first) tail-first, then b tail-first.
+    assert list(bm.free_block_ids) == [5, 6, 2, 1, 0, 4, 3]
+    assert bm.get_num_free_blocks() == 7  # cached blocks still count as free
+    c = make_seq(range(200, 212))
+    admit(bm, c)
+    assert c.block_table == [5, 6, 2]  # evicts a's tail block only
+    assert bm.block_hashes[2] is None and 2 not in bm.cached_block_ids.values()
+    # a's head survived: a request sharing a's first 8 tokens still hits both blocks.
+    d = make_seq(list(range(8)) + [9])
+    assert admit(bm, d) == 8 and d.block_table == [0, 1, 4]  # the new block evicts b's tail
+    assert list(bm.free_block_ids) == [3]
+    bm.check_invariants([c, d])
+
+
+def test_hit_on_free_cached_block_counts_against_free_space():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(range(9))
+    admit(bm, a)
+    compute(bm, a)
+    bm.free(a)  # blocks 0, 1 cached and free; block 2 plain and free
+    b = make_seq(list(range(8)) + list(range(50, 62)))  # 20 tokens: 2 hit + 3 new > 4 - 2 free
+    num_cached = bm.get_computed_blocks(b)
+    assert num_cached == 8
+    assert not bm.allocate_slots(b, 12, num_computed_from_cache=num_cached)
+    assert b.block_table == [] and b.num_computed_tokens == 0 and bm.get_num_free_blocks() == 4
+    assert bm.allocate_slots(b, 8, num_computed_from_cache=num_cached)  # 2 hit + 2 new fit
+    assert b.block_table == [0, 1, 2, 3] and bm.get_num_free_blocks() == 0
+
+
+def test_twin_computation_keeps_first_block_cached():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a, b = make_seq(range(5)), make_seq(range(5))
+    admit(bm, a)
+    admit(bm, b)  # admitted before a computed anything: no hit
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    compute(bm, a)
+    compute(bm, b)
+    assert bm.cached_block_ids == {a.block_hashes[0]: 0} and bm.block_hashes[2] is None
+    bm.free(b)
+    assert list(bm.free_block_ids)[:2] == [2, 3]  # b's plain blocks are reused first, in order
+    bm.free(a)
+    assert_no_leak(bm)
+
+
+def test_share_prefix_ref_counts():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    src, dst = make_seq(range(10)), make_seq(range(10))
+    admit(bm, src)
+    compute(bm, src)
+    assert bm.share_prefix(src, dst) == 8
+    assert dst.block_table == [0, 1] and dst.num_computed_tokens == 8
+    assert bm.ref_counts[:3] == [2, 2, 1]
+    assert bm.allocate_slots(dst, 2) and dst.block_table == [0, 1, 3]  # own copy of the partial tail
+    bm.check_invariants([src, dst])
+    bm.free(src)
+    assert bm.ref_counts[:4] == [1, 1, 0, 1]
+    bm.free(dst)
+    assert_no_leak(bm)
+
+
+def test_share_prefix_block_aligned_prompt_leaves_last_block():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    src, dst = make_seq(range(8)), make_seq(range(8))
+    admit(bm, src)
+    compute(bm, src)
+    assert bm.share_prefix(src, dst) == 4 and dst.block_table == [0]
+
+
+def test_readmission_after_free_hits_own_blocks():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(10))
+    admit(bm, a)
+    compute(bm, a)
+    bm.free(a)  # as on preemption
+    a.num_computed_tokens = 0
+    assert admit(bm, a) == 8 and a.block_table == [0, 1, 2]
+
+
+def test_hash_is_chained_and_deterministic():
+    h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    assert h0 == hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash_block_tokens(h0, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
+    assert hash_block_tokens(None, [1, 2, 3, 4]) != hash_block_tokens(None, [1, 2, 3, 5])
+
+
+def test_no_leak_reports_held_blocks():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(range(5))
+    admit(bm, a)
+    with pytest.raises(AssertionError, match=r"leaked.*\{0: 1, 1: 1\}"):
+        assert_no_leak(bm)
+    bm.free(a)
+    assert_no_leak(bm)
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 16), (4, 0), (4, 2.5)])
+def test_bad_sizes_rejected(num_blocks, block_size):
+    with pytest.raises(ValueError, match="invalid"):
+        BlockManager(num_blocks, block_size)
