@@ -145,7 +145,8 @@ class LLMEngine:
     @functools.cached_property
     def structured_outputs(self):
         from engine.guided import StructuredOutputManager  # xgrammar is loaded only when first needed
-        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                       stop_token_ids=self.eos_token_ids)
 
     def _finish_on_stop_string(self, seq: Sequence, stop_str: str) -> None:
         if seq.is_finished:  # also hit a length limit on this token: the stop string wins, as in vLLM

@@ -65,6 +65,7 @@ class ModelRunner:
         # Every TP rank must hold the same number of blocks: take the smallest any rank can afford.
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
         self._allocate_kv_cache(self.num_kv_blocks)
+        self.graph_runner = self._maybe_capture_cuda_graphs()
 
     # -- setup ---------------------------------------------------------------
     def _build_model(self, model_path: Path) -> torch.nn.Module:
@@ -100,6 +101,16 @@ class ModelRunner:
             raise ValueError(f"no room for a single KV block (budget {budget} bytes, "
                              f"{self._bytes_per_block()} bytes per block); raise the memory budget")
         return num_blocks
+
+    def _maybe_capture_cuda_graphs(self):
+        # Graphs need shape-static, sync-free kernels: the Triton backend on CUDA.
+        if self.device.type != "cuda" or self.config.enforce_eager or self.attention_backend != "triton":
+            return None
+        from engine.cuda_graph import CUDAGraphRunner
+        runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self.config.max_model_len,
+                                 self.block_size, self.device)
+        runner.capture()
+        return runner
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
@@ -149,6 +160,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, mi: ModelInput) -> torch.Tensor | None:
         """Forward over the flat batch; logits [num_sample_rows, vocab] (every TP rank runs this)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(mi):
+            hidden = self.graph_runner.run(mi)
+        else:
+            hidden = self._eager_forward(mi)
+        if not mi.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(mi.sample_rows, torch.long)]).float()
+
+    def _eager_forward(self, mi: ModelInput) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self._to_device(mi.slot_mapping, torch.long),
             block_tables=self._to_device(mi.block_tables, torch.int32),
@@ -157,10 +177,7 @@ class ModelRunner:
             max_seqlen_q=max(mi.query_lens), max_seqlen_k=max(mi.seq_lens),
             seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens)
         with set_forward_context(meta):
-            hidden = self.model(self._to_device(mi.input_ids, torch.long), self._to_device(mi.positions, torch.long))
-        if not mi.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[self._to_device(mi.sample_rows, torch.long)]).float()
+            return self.model(self._to_device(mi.input_ids, torch.long), self._to_device(mi.positions, torch.long))
 
     def sample(self, logits: torch.Tensor | None, so: SchedulerOutput, allowed_token_bitmask=None):
         seqs = [s for s, f in zip(so.seqs, so.sample_flags()) if f]

@@ -148,3 +148,41 @@ def test_text_prompt_and_detokenized_output(tiny_llama):
     tok = llm.get_tokenizer()
     assert out.prompt_token_ids == tok.encode("café 日本語")
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+ON_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_triton_backend_equals_hf(arch, request):
+    """The Triton kernels inside the whole engine: interpreted on CPU (CI), native on a GPU."""
+    path = request.getfixturevalue(arch)
+    llm = LLM(path, dtype="float32", device="cuda" if ON_CUDA else "cpu", attention_backend="triton",
+              max_num_batched_tokens=32, enforce_eager=True)
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens=[1, 17, 40, 70])
+    _check_against_hf(path, llm, prompts, max_tokens=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+def test_cuda_graphs_equal_eager_and_hf(tiny_llama):
+    prompts = _prompts(1000, lens=PROMPT_LENS + [3] * 12)  # 20 requests: decode batches of many sizes
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    eager = LLM(tiny_llama, dtype="float32", device="cuda", enforce_eager=True)
+    graphs = LLM(tiny_llama, dtype="float32", device="cuda", max_num_seqs=24)
+    assert graphs.llm_engine.executor.runner.graph_runner is not None
+    ours = [o.outputs[0].token_ids for o in _run(graphs, prompts, params)]
+    assert ours == [o.outputs[0].token_ids for o in _run(eager, prompts, params)]
+    for p, toks in zip(prompts, ours):
+        assert_matches(toks, hf_greedy(tiny_llama, p, MAX_TOKENS), f"cuda graphs, {len(p)} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+def test_cuda_defaults_to_bf16_and_sizes_cache_from_memory(tiny_qwen3):
+    llm = LLM(tiny_qwen3, device="cuda", gpu_memory_utilization=0.5)
+    runner = llm.llm_engine.executor.runner
+    assert runner.dtype == torch.bfloat16 and runner.attention_backend == "triton"
+    assert runner.num_kv_blocks > 1000
+    out = _run(llm, ["hello"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 16
