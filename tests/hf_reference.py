@@ -30,16 +30,20 @@ def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> Reference:
 @functools.lru_cache(maxsize=256)
 @torch.inference_mode()
 def _hf_greedy(path: str, prompt_ids: tuple[int, ...], max_tokens: int) -> Reference:
-    prompt_ids = list(prompt_ids)
+    # A bare argmax loop over HF's forward and KV cache: `generate` would add logits
+    # processors (min_new_tokens bans EOS), and the oracle must be the model alone.
     model = load_hf(path)
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    logits = [step[0].float() for step in out.logits]
-    top2 = [lg.topk(2).values for lg in logits]
-    return Reference(token_ids=out.sequences[0, len(prompt_ids):].tolist(),
-                     gaps=[float(t[0] - t[1]) for t in top2],
-                     logprobs=[torch.log_softmax(lg, -1) for lg in logits])
+    out = model(torch.tensor([list(prompt_ids)]), use_cache=True)
+    tokens, gaps, logprobs = [], [], []
+    for _ in range(max_tokens):
+        logits = out.logits[0, -1].float()
+        top2 = logits.topk(2).values
+        tok = int(logits.argmax())
+        tokens.append(tok)
+        gaps.append(float(top2[0] - top2[1]))
+        logprobs.append(torch.log_softmax(logits, -1))
+        out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return Reference(token_ids=tokens, gaps=gaps, logprobs=logprobs)
 
 
 def assert_matches(ours: list[int], ref: Reference, what: str = "") -> None:

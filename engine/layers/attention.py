@@ -1,0 +1,62 @@
+"""Paged attention layer: stores this step's K/V in the cache, then attends over the cache.
+
+Head counts are per TP rank. The model runner assigns `k_cache` / `v_cache`
+([num_blocks, block_size, num_kv_heads, head_dim], contiguous, the model's
+dtype) to every `Attention` module; until then they are empty tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_context import get_forward_context
+
+BACKENDS = ("torch", "triton")
+
+
+def _load_backend(backend: str):
+    """(store_kv, paged_attention, wants_host_lists) for a backend name."""
+    if backend == "triton":
+        from kernels import paged_attention, store_kv
+        return store_kv, paged_attention, False
+    if backend == "torch":
+        from kernels.torch_attention import paged_attention_torch, store_kv_torch
+        return store_kv_torch, paged_attention_torch, True
+    raise ValueError(f"attention backend {backend!r} is not supported; choose one of {BACKENDS}")
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str = "torch"):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+        self._store_kv, self._paged_attention, self._wants_host_lists = _load_backend(backend)
+        # Plain attributes, not buffers: the runner owns the cache memory and the
+        # model's state_dict / .to() must not copy it.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [n, num_heads * head_dim], k/v [n, num_kv_heads * head_dim] (views are fine)
+        -> [n, num_heads * head_dim]."""
+        md = get_forward_context().attn_metadata
+        if md is None:
+            raise RuntimeError("Attention needs attn_metadata in the forward context")
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("Attention has no KV cache: assign k_cache/v_cache before the first forward "
+                               "(a warm-up run can use a 1-block cache and slot_mapping -1)")
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        self._store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        extra = {}
+        if self._wants_host_lists:
+            extra = dict(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu)
+        o = self._paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens,
+                                  md.cu_seqlens_q, md.max_seqlen_q, self.scale, **extra)
+        return o.view(n, self.num_heads * self.head_dim)  # [n, num_heads, head_dim] flattened
+

@@ -1,0 +1,146 @@
+"""Linear layers, sharded for tensor parallelism.
+
+Weights follow torch's `[output_size, input_size]` layout. A column-parallel
+layer splits the output dim (each rank computes a slice of the features, no
+communication); a row-parallel layer splits the input dim (each rank computes a
+partial sum, summed by all_reduce in `forward`). Every parameter carries a
+`weight_loader(param, loaded_weight, shard_id=None)` that cuts this rank's slice
+out of the full checkpoint tensor, so the loader knows nothing about TP.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+def copy_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy with an exact shape check: `copy_` would silently broadcast a wrong-sized tensor."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.copy_(loaded)  # also casts to the parameter's dtype and device
+
+
+class LinearBase(nn.Module):
+    """Holds this rank's `[output_size, input_size]` weight (and bias); `tp_dim` is the sharded dim."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the full weight."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        copy_weight(param.data, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: [n, input] -> [n, output / tp_size], no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, get_tp_size(), "output_size"), bias, 0)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        size = param.data.size(0)
+        copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up). Rank r's weight rows:
+
+        [ gate rows of rank r | up rows of rank r ]   shard_id 0, 1, ... index `output_sizes`
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        tp_size = get_tp_size()
+        self.shard_sizes = [divide(s, tp_size, "output_size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id not in range(len(self.shard_sizes)):
+            raise ValueError(f"shard_id={shard_id!r} is invalid for {len(self.shard_sizes)} merged outputs")
+        size = self.shard_sizes[shard_id]
+        dst = param.data.narrow(0, sum(self.shard_sizes[:shard_id]), size)
+        copy_weight(dst, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection, split by heads. Rank r's weight rows:
+
+        [ q heads of rank r | k heads of rank r | v heads of rank r ]
+
+    With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads
+    consecutive ranks (rank r holds head r // replicas), so every rank has one.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False):
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, total_num_kv_heads, "tensor_parallel_size vs num_key_value_heads")
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"shard_id={shard_id!r} is invalid: expected 'q', 'k' or 'v'")
+        copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks: [n, input / tp_size] -> partial [n, output], summed over ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, get_tp_size(), "input_size"), output_size, bias, 1)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is not sharded
+            copy_weight(param.data, loaded_weight)
+            return
+        size = param.data.size(1)
+        copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only rank 0 adds the bias: the all_reduce sums it otherwise tp_size times.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return tensor_model_parallel_all_reduce(y)

@@ -1,0 +1,109 @@
+"""Checkpoint location and weight loading (safetensors only, memory-mapped).
+
+The loader maps HF tensor names onto our parameters and hands each tensor to the
+parameter's own `weight_loader`, which cuts out this TP rank's slice; the loader
+itself knows nothing about sharding. Pickle-based `.bin` checkpoints are refused:
+loading them runs arbitrary code.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from safetensors import safe_open
+from torch import nn
+
+from engine.layers.linear import copy_weight
+
+_INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors we recompute rather than load.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    """For parameters every rank holds whole (norm weights)."""
+    copy_weight(param.data, loaded_weight)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory as is; otherwise a hub id looked up in the local HF cache only."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        raise ValueError(f"model {model!r} is not a local directory and not in the Hugging Face cache "
+                         f"(this machine cannot download; copy the checkpoint here or pre-fill the cache): "
+                         f"{type(e).__name__}") from e
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's .safetensors files, from the shard index when there is one."""
+    index = path / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} lists shard files that do not exist: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise ValueError(f"{path} has only PyTorch pickle weights (.bin/.pt); only safetensors are supported "
+                         "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))")
+    raise ValueError(f"no *.safetensors weights in {path}")
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, object]:
+    """HF tensor name -> (our parameter name, shard id or None)."""
+    for ckpt_module, (our_module, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{ckpt_module}." in name:
+            return name.replace(f".{ckpt_module}.", f".{our_module}."), shard_id
+    return name, None
+
+
+def _expected_checkpoint_names(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
+    """Every HF tensor name the model needs: fused parameters expand to their parts."""
+    expected = set(params)
+    for ckpt_module, (our_module, _) in getattr(model, "packed_modules_mapping", {}).items():
+        for name in params:
+            if f".{our_module}." in name:
+                expected.discard(name)
+                expected.add(name.replace(f".{our_module}.", f".{ckpt_module}."))
+    return expected
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load every tensor of the checkpoint at `path` into `model`'s parameters (cast to their dtype).
+    Raises ValueError naming missing or unexpected tensors."""
+    path = Path(path)
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    seen, unexpected = set(), []
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:  # memory-mapped
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param_name, shard_id = _target(model, name)
+                param = params.get(param_name)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                try:
+                    weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                    weight_loader(param, f.get_tensor(name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"cannot load {name!r} from {file.name}: {e}") from e
+                seen.add(name)
+    missing = sorted(_expected_checkpoint_names(model, params) - seen)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing weights {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}; unexpected weights {sorted(unexpected)[:20]}"
+                         f"{' ...' if len(unexpected) > 20 else ''}")
