@@ -17,7 +17,9 @@ def _prompts(vocab_size: int, lens=PROMPT_LENS, seed=0):
 
 
 def _run(llm, prompts, params):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    """Token-id lists go in as {"prompt_token_ids": ...}; strings as text."""
+    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     llm.llm_engine.block_manager.check_no_leak()
     return outs
 

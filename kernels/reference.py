@@ -1,0 +1,70 @@
+"""Obviously-correct pure-torch oracles for the kernels (tests only: slow).
+
+One python loop per sequence, explicit gathers, an explicit causal mask and a
+float32 softmax: nothing clever, so the fast paths can be checked against it.
+"""
+
+import torch
+
+
+def store_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write each token's K/V into its cache slot; slot < 0 means skip the token.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping:     [num_tokens]  slot = block_id * block_size + offset
+    """
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = key[t]  # [num_kv_heads, head_dim]
+        v_cache[block, offset] = value[t]
+
+
+def _gather_context(cache, block_row, seq_len: int):
+    """[num_blocks, block_size, kv_heads, D] -> this sequence's [seq_len, kv_heads, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_row[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, D]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                        max_seqlen_q, softmax_scale, out=None):
+    """Causal attention of each sequence's new query rows over its paged context.
+
+    query:        [num_tokens, num_heads, head_dim]
+    k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [num_seqs, max_blocks_per_seq]
+    seq_lens:     [num_seqs]       context length incl. the new tokens
+    cu_seqlens_q: [num_seqs + 1]   query rows of seq s are cu[s]:cu[s+1]
+    max_seqlen_q is unused here (kept for the shared signature).
+    """
+    del max_seqlen_q
+    if out is None:
+        out = torch.empty_like(query)
+    num_heads = query.shape[1]
+    group = num_heads // k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = cu[s], cu[s + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        # Query head h reads kv head h // group, so repeat each kv head group times.
+        k = _gather_context(k_cache, block_tables[s], seq_len).float()  # [seq_len, kv_heads, D]
+        v = _gather_context(v_cache, block_tables[s], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [q_len, num_heads, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale  # [num_heads, q_len, seq_len]
+        # The new rows are the last q_len positions of the sequence.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+        k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, seq_len]
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

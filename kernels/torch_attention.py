@@ -1,0 +1,223 @@
+"""Fast pure-torch paged attention and cache write (the engine's CPU path).
+
+Same contract as kernels.paged_attention. Decode sequences (one query row)
+are batched into few SDPA calls, bucketed by context length so a single long
+sequence does not pad the whole batch; each prefill chunk is one SDPA call.
+GQA never repeats K/V: for decodes the query heads of a group are folded into
+SDPA's query-length axis ([B, kv_heads, group, D]); prefill chunks use SDPA's
+enable_gqa (both measured fastest on CPU for their case).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels._validate import check_paged_attention, check_store_kv
+
+
+# SDPA's enable_gqa (torch >= 2.5) lets query heads share kv heads without a copy.
+_SDPA_HAS_GQA = torch.__version__ >= "2.5"
+
+# Reused gather buffers, CPU only: a fresh multi-MB tensor per call costs a
+# page fault per 4 KiB (about 3x the copy itself, measured); CUDA's caching
+# allocator already recycles memory. A caller pops a buffer while it uses it
+# and puts it back after, so concurrent callers (dict ops are atomic under the
+# GIL) never share one: the loser just allocates.
+_WORKSPACE = {}
+
+
+def clear_workspace() -> None:
+    """Free the CPU gather buffers kept between calls."""
+    _WORKSPACE.clear()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _gather_kv(k_cache, v_cache, ids):
+    """k_cache[ids], v_cache[ids] into reused buffers (on CPU).
+
+    caches: [num_blocks, block_size, kv_heads, D]; ids: [n]
+    Returns k, v: [n, block_size, kv_heads, D] and a token for _release.
+    """
+    ids = ids.to(torch.long)
+    if k_cache.device.type != "cpu":
+        return k_cache.index_select(0, ids), v_cache.index_select(0, ids), None
+    shape = (ids.shape[0],) + tuple(k_cache.shape[1:])
+    numel = shape[0] * k_cache[0].numel()
+    key = (k_cache.dtype, k_cache.device)
+    bufs = _WORKSPACE.pop(key, None)
+    if bufs is None or bufs[0].numel() < numel:
+        bufs = tuple(torch.empty(numel, dtype=k_cache.dtype) for _ in range(2))
+    k = torch.index_select(k_cache, 0, ids, out=bufs[0][:numel].view(shape))
+    v = torch.index_select(v_cache, 0, ids, out=bufs[1][:numel].view(shape))
+    return k, v, (key, bufs)
+
+
+def _release(token) -> None:
+    if token is not None:
+        key, bufs = token
+        held = _WORKSPACE.get(key)
+        if held is None or held[0].numel() < bufs[0].numel():
+            _WORKSPACE[key] = bufs
+
+
+def _index(values, device):
+    """A slice when values are consecutive (a free view), else an index tensor."""
+    if values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _host_lengths(seq_lens, cu_seqlens_q, seq_lens_cpu, query_lens_cpu, num_tokens, max_ctx):
+    """Python copies of seq_lens and per-sequence query lengths, checked.
+
+    Reading the device tensors costs a host sync, so callers that already
+    hold host copies pass them in.
+    """
+    num_seqs = seq_lens.shape[0]
+    seq_l = list(seq_lens_cpu) if seq_lens_cpu is not None else seq_lens.tolist()
+    if query_lens_cpu is not None:
+        q_l = list(query_lens_cpu)
+    else:
+        cu = cu_seqlens_q.tolist()
+        q_l = [cu[i + 1] - cu[i] for i in range(num_seqs)]
+    if len(seq_l) != num_seqs or len(q_l) != num_seqs:
+        raise ValueError(
+            f"seq_lens_cpu/query_lens_cpu have {len(seq_l)}/{len(q_l)} entries; "
+            f"expected {num_seqs}")
+    if sum(q_l) != num_tokens:
+        raise ValueError(f"query lengths sum to {sum(q_l)} but query has {num_tokens} rows")
+    for s, (q_len, seq_len) in enumerate(zip(q_l, seq_l)):
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(f"sequence {s}: query length {q_len} not in 0..seq_len={seq_len}")
+        if seq_len > max_ctx:
+            raise ValueError(
+                f"sequence {s}: seq_len {seq_len} exceeds block_tables capacity {max_ctx}")
+    return seq_l, q_l
+
+
+def _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, seqs, toks, max_len,
+                   scale, out):
+    """One SDPA call for decode sequences `seqs` (one query row each, rows `toks`)."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    batch, num_heads = len(seqs), query.shape[1]
+    num_blocks = _cdiv(max_len, block_size)
+    ctx = num_blocks * block_size
+    rows = _index(seqs, query.device)
+    tok_idx = _index(toks, query.device)
+    ids = block_tables[rows, :num_blocks].reshape(-1)  # [B * num_blocks]
+    k, v, token = _gather_kv(k_cache, v_cache, ids)  # [B * num_blocks, block_size, kv_heads, D]
+    k = k.view(batch, ctx, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, ctx, D] strided
+    v = v.view(batch, ctx, kv_heads, head_dim).transpose(1, 2)
+    # [B, num_heads, D] -> [B, kv_heads, group, D]: the group is SDPA's query-length axis.
+    q = query[tok_idx].reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    # Keys past each sequence's own length are block padding: mask them out.
+    lens = seq_lens[rows].to(torch.long)  # [B]
+    mask = torch.arange(ctx, device=query.device)[None, :] < lens[:, None]  # [B, ctx]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    _release(token)
+    out[tok_idx] = o.reshape(batch, num_heads, head_dim).to(out.dtype)  # o: [B, kv_heads, group, D]
+
+
+def _decode_all(query, k_cache, v_cache, block_tables, seq_lens, seqs, starts, seq_l,
+                scale, out):
+    """Bucket decode sequences by power-of-two block count: padding stays < 2x."""
+    block_size = k_cache.shape[1]
+    buckets = {}
+    for s in seqs:
+        key = 1 << (_cdiv(seq_l[s], block_size) - 1).bit_length()
+        buckets.setdefault(key, []).append(s)
+    for members in buckets.values():
+        toks = [starts[s] for s in members]
+        max_len = max(seq_l[s] for s in members)
+        _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, members, toks, max_len,
+                       scale, out)
+
+
+def _prefill_one(query, k_cache, v_cache, block_row, start, q_len, seq_len, scale, out):
+    """One SDPA call for a chunk of q_len > 1 rows whose keys are 0..seq_len-1."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    ids = block_row[:_cdiv(seq_len, block_size)]  # [num_blocks]
+    # [num_blocks, block_size, kv_heads, D] -> [1, kv_heads, seq_len, D]
+    k, v, token = _gather_kv(k_cache, v_cache, ids)
+    k = k.view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
+    v = v.view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
+    if not _SDPA_HAS_GQA and num_heads != kv_heads:
+        k = k.repeat_interleave(num_heads // kv_heads, dim=1)  # [1, num_heads, seq_len, D]
+        v = v.repeat_interleave(num_heads // kv_heads, dim=1)
+    gqa = {"enable_gqa": True} if _SDPA_HAS_GQA else {}
+    q = query[start:start + q_len].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
+    if q_len == seq_len:
+        # No cached prefix: SDPA's own (top-left aligned) causal mask is exact.
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    else:
+        # Row i sits at absolute position seq_len - q_len + i (bottom-right aligned).
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+        k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None], scale=scale,
+                                           **gqa)
+    _release(token)
+    out[start:start + q_len] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, num_heads, D]
+
+
+def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                          max_seqlen_q, softmax_scale, out=None, *, seq_lens_cpu=None,
+                          query_lens_cpu=None):
+    """Pure-torch paged attention; same contract as kernels.paged_attention.
+
+    query:        [num_tokens, num_heads, head_dim]
+    k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [num_seqs, max_blocks_per_seq];  seq_lens: [num_seqs]
+    cu_seqlens_q: [num_seqs + 1]
+    seq_lens_cpu, query_lens_cpu: optional python lists (len num_seqs) equal to
+        seq_lens and diff(cu_seqlens_q); passing them avoids device->host reads.
+    """
+    check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                          max_seqlen_q, softmax_scale, out)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens = query.shape[0]
+    if num_tokens == 0 or block_tables.shape[0] == 0:
+        return out
+    max_ctx = block_tables.shape[1] * k_cache.shape[1]
+    seq_l, q_l = _host_lengths(seq_lens, cu_seqlens_q, seq_lens_cpu, query_lens_cpu,
+                               num_tokens, max_ctx)
+    starts = [0]  # starts[s]: first query row of sequence s
+    for q_len in q_l:
+        starts.append(starts[-1] + q_len)
+    scale = float(softmax_scale)
+    decode = [s for s, q_len in enumerate(q_l) if q_len == 1]
+    if decode:
+        _decode_all(query, k_cache, v_cache, block_tables, seq_lens, decode, starts, seq_l,
+                    scale, out)
+    for s, q_len in enumerate(q_l):
+        if q_len > 1:
+            _prefill_one(query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_l[s],
+                         scale, out)
+    return out
+
+
+def store_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """index_copy_ scatter of key/value rows into the caches; slot < 0 skips the row.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping:     [num_tokens]
+    """
+    check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_slots = num_blocks * block_size
+    slots = slot_mapping.to(torch.long)  # [num_tokens]
+    if slots.numel() == 0:
+        return
+    keep = slots >= 0
+    if not bool(keep.all()):  # padding rows present: drop them
+        rows = keep.nonzero().squeeze(1)
+        slots, key, value = slots[rows], key[rows], value[rows]
+    if slots.numel() and int(slots.max()) >= num_slots:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())} >= cache size {num_slots}")
+    k_cache.view(num_slots, kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(num_slots, kv_heads, head_dim).index_copy_(0, slots, value)

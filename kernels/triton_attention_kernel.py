@@ -1,0 +1,209 @@
+"""Triton kernel: causal varlen attention of new query rows over a paged KV cache.
+
+One launch serves a whole mixed batch (prefill chunks and single-token
+decodes). Program (q_tile, kv_head) owns BLOCK_Q consecutive query rows of ONE
+sequence times all GROUP query heads that share kv_head, i.e. BLOCK_M =
+BLOCK_Q * GROUP_P rows of the score matrix; each K/V tile is therefore loaded
+once for the whole GQA group. Softmax is online (running max / sum in fp32),
+so no [q_len, seq_len] matrix ever exists.
+
+Query tiles are numbered without a host sync: sequence s owns tile indices
+starting at cu_seqlens_q[s] // BLOCK_Q + s, so num_tokens // BLOCK_Q + num_seqs
+programs always suffice; surplus programs exit at once.
+"""
+
+import triton
+import triton.language as tl
+
+# Finite "minus infinity" for the running max: a fully masked row then yields
+# exp2(-inf - NEG_BIG) = 0 instead of exp2(-inf + inf) = NaN.
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with cu_seqlens_q[s] // BLOCK_Q + s <= q_tile (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid, mask=mid < num_seqs, other=0)
+        if start // BLOCK_Q + mid <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _load_kv_one_block(k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off,
+                       stride_c_blk, stride_c_pos, tile_start, kv_end, offs_d, d_valid,
+                       BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """K/V tile when TILE_N divides BLOCK_SIZE, so the tile sits inside one cache block.
+
+    One scalar block id gives a 64-bit base; the per-element offsets are small
+    int32 and loop-invariant, which keeps register pressure far below a
+    per-key gather. Returns k [HEAD_DIM_P, TILE_N], v [TILE_N, HEAD_DIM_P],
+    key_pos [TILE_N], key_valid [TILE_N].
+    """
+    offs_n = tl.arange(0, TILE_N)  # [TILE_N]
+    key_pos = tile_start + offs_n
+    key_valid = key_pos < kv_end
+    blk_idx = tile_start // BLOCK_SIZE
+    blk = tl.load(bt_row_ptr + blk_idx, mask=blk_idx < max_blocks, other=0).to(tl.int64)
+    # int64: block_id * stride_blk overflows int32 once the cache passes 2G elements.
+    base = blk * stride_c_blk + (tile_start % BLOCK_SIZE) * stride_c_pos + kv_head_off
+    k = tl.load(k_cache_ptr + base + (offs_n[None, :] * stride_c_pos + offs_d[:, None]),
+                mask=d_valid[:, None] & key_valid[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + base + (offs_n[:, None] * stride_c_pos + offs_d[None, :]),
+                mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+    return k, v, key_pos, key_valid
+
+
+@triton.jit
+def _load_kv_gather(k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off,
+                    stride_c_blk, stride_c_pos, tile_start, kv_end, offs_d, d_valid,
+                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """K/V tile spanning several cache blocks (block sizes that TILE_N does not divide).
+
+    Same returns as _load_kv_one_block; each key looks up its own block id.
+    """
+    key_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
+    blk_idx = key_pos // BLOCK_SIZE
+    key_valid = (key_pos < kv_end) & (blk_idx < max_blocks)
+    blk = tl.load(bt_row_ptr + blk_idx, mask=key_valid, other=0).to(tl.int64)  # [TILE_N]
+    kv_off = blk * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_pos + kv_head_off  # [TILE_N]
+    k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None],
+                mask=d_valid[:, None] & key_valid[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :],
+                mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+    return k, v, key_pos, key_valid
+
+
+@triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc, key_pos, key_valid, q_horizon, scale_log2,
+                  IEEE_DOT: tl.constexpr):
+    """Fold one K/V tile into the running softmax state.
+
+    q: [BLOCK_M, HEAD_DIM_P]; k: [HEAD_DIM_P, TILE_N]; v: [TILE_N, HEAD_DIM_P]
+    m_i, l_i: [BLOCK_M] fp32; acc: [BLOCK_M, HEAD_DIM_P] fp32
+    q_horizon: [BLOCK_M] last key position each row may see (causal bound)
+    """
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if IEEE_DOT:
+        s = tl.dot(q, k, input_precision="ieee")  # [BLOCK_M, TILE_N]
+    else:
+        s = tl.dot(q, k)
+    s = s * scale_log2
+    visible = (key_pos[None, :] <= q_horizon[:, None]) & key_valid[None, :]  # [BLOCK_M, TILE_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
+    p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv  # [BLOCK_M, HEAD_DIM_P]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _locate_tile(cu_seqlens_q_ptr, seq_lens_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Map a program's query-tile index to (seq, q_start, q_len, tile_in_seq, seq_len)."""
+    seq = _find_seq(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q)
+    ok = seq < num_seqs
+    q_start = tl.load(cu_seqlens_q_ptr + seq, mask=ok, other=0)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1, mask=ok, other=0) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq, mask=ok, other=0)
+    tile_in_seq = q_tile - (q_start // BLOCK_Q + seq)
+    return seq, q_start, q_len, tile_in_seq, seq_len
+
+
+@triton.jit
+def _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
+            stride_c_pos, kv_end, q_horizon, scale_log2, offs_d, d_valid,
+            BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            TILE_N: tl.constexpr, ONE_BLOCK_TILES: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """Online-softmax attention of q over keys [0, kv_end); returns the normalised output.
+
+    q: [BLOCK_M, HEAD_DIM_P] -> [BLOCK_M, HEAD_DIM_P] fp32
+    """
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    for tile_start in range(0, kv_end, TILE_N):
+        if ONE_BLOCK_TILES:
+            k, v, key_pos, key_valid = _load_kv_one_block(
+                k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
+                stride_c_pos, tile_start, kv_end, offs_d, d_valid, BLOCK_SIZE, TILE_N)
+        else:
+            k, v, key_pos, key_valid = _load_kv_gather(
+                k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
+                stride_c_pos, tile_start, kv_end, offs_d, d_valid, BLOCK_SIZE, TILE_N)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, key_pos, key_valid, q_horizon,
+                                      scale_log2, IEEE_DOT)
+    # Padding rows (l_i == 0) are masked on store; the guard only avoids 0/0.
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+# Batch-shape scalars change every step; specialising on them (== 1, % 16)
+# would compile new variants mid-run, e.g. during CUDA-graph capture.
+@triton.jit(do_not_specialize=["num_seqs", "max_blocks", "stride_bt_seq"])
+def paged_attention_kernel(
+    out_ptr,           # [num_tokens, num_heads, head_dim]
+    query_ptr,         # [num_tokens, num_heads, head_dim]  (strided view allowed)
+    k_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]  contiguous
+    v_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]  contiguous
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,      # [num_seqs]
+    cu_seqlens_q_ptr,  # [num_seqs + 1]
+    scale_log2,        # softmax_scale * log2(e): exp2 is cheaper than exp
+    num_seqs, max_blocks,
+    stride_q_tok, stride_q_head, stride_q_dim,
+    stride_o_tok, stride_o_head, stride_o_dim,
+    stride_c_blk, stride_c_pos, stride_c_head,  # shared: both caches same shape, contiguous
+    stride_bt_seq,
+    GROUP: tl.constexpr,       # query heads per kv head
+    GROUP_P: tl.constexpr,     # GROUP rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two (masked)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_Q: tl.constexpr,     # query rows (tokens) per program
+    TILE_N: tl.constexpr,      # keys per inner-loop step
+    ONE_BLOCK_TILES: tl.constexpr,  # TILE_N divides BLOCK_SIZE: cheaper addressing
+    UPCAST: tl.constexpr,      # run the dots in fp32 (interpreter lacks bf16 dot)
+    IEEE_DOT: tl.constexpr,    # exact fp32 dots instead of tf32
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    kv_head = tl.program_id(1)
+    seq, q_start, q_len, tile_in_seq, seq_len = _locate_tile(
+        cu_seqlens_q_ptr, seq_lens_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+    if tile_in_seq * BLOCK_Q >= q_len:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M] row = (query row, head in group)
+    q_row = tile_in_seq * BLOCK_Q + offs_m // GROUP_P  # [BLOCK_M] row inside the chunk
+    head = kv_head * GROUP + offs_m % GROUP_P  # [BLOCK_M]
+    offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
+    d_valid = offs_d < HEAD_DIM
+    tok = (q_start + q_row).to(tl.int64)  # [BLOCK_M]
+    io_mask = ((q_row < q_len) & (offs_m % GROUP_P < GROUP))[:, None] & d_valid[None, :]
+    q = tl.load(query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                + offs_d[None, :] * stride_q_dim, mask=io_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Row i sees keys 0..ctx_len + i (ctx_len = cached prefix); no key past
+    # the tile's last row is needed.
+    ctx_len = seq_len - q_len
+    q_horizon = ctx_len + q_row  # [BLOCK_M]
+    kv_end = ctx_len + tl.minimum(q_len, (tile_in_seq + 1) * BLOCK_Q)
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    o = _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head * stride_c_head,
+                stride_c_blk, stride_c_pos, kv_end, q_horizon, scale_log2, offs_d, d_valid,
+                BLOCK_M, HEAD_DIM_P, BLOCK_SIZE, TILE_N, ONE_BLOCK_TILES, IEEE_DOT)
+    tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+             + offs_d[None, :] * stride_o_dim, o.to(out_ptr.dtype.element_ty), mask=io_mask)

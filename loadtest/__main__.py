@@ -1,0 +1,98 @@
+"""Online serving benchmark against any OpenAI-compatible endpoint (ours, vLLM, ...).
+
+    python -m loadtest --base-url http://127.0.0.1:8000 --model NAME --concurrency 1,4,16,64 \\
+        --num-prompts 64 --input-len 256 --output-len 128 --out bench_out/online
+
+Per concurrency level: TTFT, ITL, TPOT and end-to-end latency (p50/p90/p99),
+request and output-token throughput, errors. Writes DIR/results.json and two
+PNG plots, and prints a table with the knee last (see loadtest.stats.find_knee:
+the last concurrency before p50 latency grows faster than throughput).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from loadtest.online import OnlineConfig, run_sweep
+from loadtest.plots import write_plots
+from loadtest.report import base_metadata, format_table, write_json
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_args(argv: list[str]) -> OnlineConfig:
+    ap = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (with or without /v1)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64])
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
+    ap.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens) or token ids")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("bench_out/online"))
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--token-ids", action="store_true", help="send prompts as token-id lists (completions)")
+    ap.add_argument("--num-warmup", type=int, default=1, help="untimed requests before the first level")
+    args = ap.parse_args(argv)
+    try:
+        return OnlineConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+                            num_prompts=args.num_prompts, input_len=args.input_len,
+                            output_len=args.output_len, out_dir=args.out, endpoint=args.endpoint,
+                            api_key=args.api_key, seed=args.seed, request_timeout=args.request_timeout,
+                            token_ids=args.token_ids, num_warmup=args.num_warmup)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def _ms(summary: dict, q: str) -> float | str:
+    return "-" if summary[q] is None else summary[q] * 1e3
+
+
+def summary_table(results: dict) -> str:
+    rows = [[lv["concurrency"], f"{lv['num_completed']}/{lv['num_errors']}", lv["request_throughput"],
+             lv["output_token_throughput"], _ms(lv["ttft_s"], "p50"), _ms(lv["ttft_s"], "p99"),
+             _ms(lv["tpot_s"], "p50"), _ms(lv["itl_s"], "p50"), _ms(lv["e2e_s"], "p50"), _ms(lv["e2e_s"], "p99")]
+            for lv in results["levels"]]
+    header = ["conc", "ok/err", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
+              "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"]
+    knee = results["knee"]
+    mark = "" if knee["reached"] else " (not reached: beyond the sweep)"
+    return f"{format_table(header, rows)}\nknee: concurrency {knee['concurrency']}{mark} -- {knee['reason']}"
+
+
+def redact(argv: list[str]) -> list[str]:
+    """The command line as recorded in results.json, without the API key."""
+    out, hide_next = [], False
+    for arg in argv:
+        out.append("***" if hide_next else ("--api-key=***" if arg.startswith("--api-key=") else arg))
+        hide_next = arg == "--api-key"
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse_args(argv)
+    results = base_metadata(["python", "-m", "loadtest", *redact(argv)])
+    try:
+        results.update(asyncio.run(run_sweep(cfg)))
+    except RuntimeError as exc:  # the warm-up could not reach the server
+        sys.exit(f"loadtest: {exc}")
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    results["plots"] = [p.name for p in write_plots(results, cfg.out_dir)]
+    write_json(cfg.out_dir / "results.json", results)
+    print(f"wrote {cfg.out_dir / 'results.json'} and {', '.join(results['plots'])}")
+    print(summary_table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""CPU offline throughput: our engine against HF static batching on the ~20M bench model.
+
+    python -m loadtest.offline [--num-requests 64] [--seed 0] [--skip-hf] [--quick]
+
+BENCHMARKS.md "CPU, offline throughput": 64 requests, prompts of random ids with
+length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
+The figure is useful output tokens per second of wall time, model loading
+excluded, one warm-up before. The peer is HF `generate` at its best static
+batching (FIFO batches of 64, and batches of 16 sorted by output length; the
+faster counts). The limit is the workload's matmul FLOPs (loadtest.roofline)
+at the fp32 rate of a 2048 x 2048 product measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from loadtest.hf_peer import compare_tokens, hf_greedy_reference, hf_static, load_hf_model
+from loadtest.measure import matmul_flop_rate, run_metadata
+from loadtest.ours import shutdown, timed_engine_run
+from loadtest.report import Stopwatch, format_table, write_json
+from loadtest.roofline import ModelShape, workload_flops
+from loadtest.workload import BenchRequest, make_offline_workload, num_useful_tokens
+
+PROMPT_LEN, OUTPUT_LEN = (16, 256), (16, 128)
+QUICK_PROMPT_LEN, QUICK_OUTPUT_LEN = (16, 64), (8, 32)
+NUM_REFERENCE_REQUESTS = 4  # greedy cross-check against HF: a bare loop per request is slow
+
+
+def progress(message: str) -> None:
+    """A line on stderr as each phase ends: a full run takes minutes on a small CPU."""
+    print(f"[loadtest.offline] {message}", file=sys.stderr, flush=True)
+
+
+def ensure_bench_model(cache_dir: Path) -> Path:
+    """The bench checkpoint, built once into `cache_dir` (a config.json marks it complete)."""
+    if not (cache_dir / "config.json").is_file():
+        from engine.tiny_model import make_tiny_model
+
+        make_tiny_model(cache_dir, arch="llama", preset="bench", seed=0)
+    return cache_dir
+
+
+def run_ours(model_path: Path, requests: list[BenchRequest], warmup: list[BenchRequest],
+             args) -> tuple[Stopwatch, list[list[int]]]:
+    """Our engine's wall time over every request, after the warm-up requests."""
+    from engine import LLM
+
+    llm = LLM(model=str(model_path), dtype="float32", device="cpu", max_num_seqs=256,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
+              seed=args.seed)
+    try:
+        return timed_engine_run(llm, requests, warmup)
+    finally:
+        shutdown(llm)
+
+
+def run_hf(model, requests: list[BenchRequest], warmup: list[BenchRequest], skip_timed: bool) -> dict:
+    """Both static-batching settings, after the same warm-up requests as ours."""
+    if skip_timed:
+        return {}
+    hf_static(model, warmup, batch_size=len(warmup), sort_by_output=False, name="warmup")
+    results = {}
+    for name, batch_size, sort in (("hf_fifo64", 64, False), ("hf_sorted16", 16, True)):
+        results[name] = hf_static(model, requests, batch_size, sort, name).to_dict()
+        progress(f"{name}: {results[name]['elapsed_s']:.1f} s")
+    return results
+
+
+def build_report(args, requests, shape: ModelShape, flop_rate: float, ours: Stopwatch,
+                 peers: dict, correctness: dict) -> dict:
+    flops = workload_flops(shape, [(len(r.prompt_token_ids), r.max_tokens) for r in requests])
+    limit_s = flops["total"] / flop_rate
+    useful = num_useful_tokens(requests)
+    best = max(peers.values(), key=lambda p: p["tokens_per_s"], default=None)
+    for peer in peers.values():
+        peer["fraction_of_limit"] = limit_s / peer["elapsed_s"]
+    return {
+        "benchmark": "offline_cpu",
+        "workload": {"num_requests": len(requests), "seed": args.seed,
+                     "prompt_len_range": list(args.prompt_len), "output_len_range": list(args.output_len),
+                     "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                     "num_useful_output_tokens": useful},
+        "model": {"path": str(args.model_dir), **shape.__dict__,
+                  "non_embedding_params": shape.non_embedding_params},
+        "matmul_fp32_flop_rate": flop_rate,
+        "limit": {"flops": flops, "time_s": limit_s},
+        "ours": {"elapsed_s": ours.wall_s, "tokens_per_s": useful / ours.wall_s, "cpu_s": ours.cpu_s,
+                 "fraction_of_limit": limit_s / ours.wall_s, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "peers": peers,
+        "best_peer": best["name"] if best else None,
+        "ratio_vs_best_peer": (useful / ours.wall_s) / best["tokens_per_s"] if best else None,
+        # On a shared host the wall-time ratio mixes speed with luck; this one divides each
+        # side's tokens by the CPU seconds it got (spin-waiting counts as used, so rough).
+        "ratio_per_cpu_s": (best["cpu_s"] / ours.cpu_s) if best and best.get("cpu_s") else None,
+        "correctness": correctness,
+    }
+
+
+def cpu_share(report: dict, peer: str | None) -> str:
+    """The part of `torch_threads` cores the run got: near 1 on an idle machine."""
+    run = report["ours"] if peer == "ours" else report["peers"].get(peer)
+    if not run or run.get("cpu_s") is None:
+        return "-"
+    return f"{run['cpu_s'] / (run['elapsed_s'] * report['machine']['torch_threads']):.2f}"
+
+
+def summary_table(report: dict) -> str:
+    peers, ours, machine = report["peers"], report["ours"], report["machine"]
+    na = "skipped"
+    rows = [["ours tok/s", ours["tokens_per_s"]],
+            ["HF fifo64 tok/s", peers.get("hf_fifo64", {}).get("tokens_per_s", na)],
+            ["HF sorted16 tok/s", peers.get("hf_sorted16", {}).get("tokens_per_s", na)],
+            ["ours / best HF", report["ratio_vs_best_peer"] or na],
+            ["fraction of limit", ours["fraction_of_limit"]],
+            ["matmul fp32 GFLOP/s", report["matmul_fp32_flop_rate"] / 1e9],
+            ["greedy mismatches", "{num_mismatched}/{num_compared}".format(**report["correctness"])],
+            ["CPU share ours / best HF", " / ".join(cpu_share(report, p) for p in ("ours", report["best_peer"]))],
+            ["ours / best HF per CPU-s", report["ratio_per_cpu_s"] or na],
+            ["machine", f"{machine['platform']}, {machine['cpu_count']} CPUs, load {machine['load_average']}"],
+            ["torch threads", machine["torch_threads"]]]
+    return format_table(["metric", "value"], rows)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default if unset")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the timed HF peers (the greedy check still runs)")
+    ap.add_argument("--quick", action="store_true", help="a small workload for a smoke test")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, same for every peer")
+    ap.add_argument("--model-dir", type=Path, default=Path("bench_out/model-bench"))
+    ap.add_argument("--out", type=Path, default=Path("bench_out/offline.json"))
+    args = ap.parse_args(argv)
+    if args.num_requests < 1 or args.threads < 1:
+        ap.error(f"--num-requests={args.num_requests} and --threads={args.threads} must be >= 1")
+    if args.quick:
+        args.num_requests = min(args.num_requests, 8)
+    args.prompt_len = QUICK_PROMPT_LEN if args.quick else PROMPT_LEN
+    args.output_len = QUICK_OUTPUT_LEN if args.quick else OUTPUT_LEN
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_path = ensure_bench_model(args.model_dir)
+    config = json.loads((model_path / "config.json").read_text())
+    shape = ModelShape.from_hf_config(config, bytes_per_param=4)
+    requests = make_offline_workload(args.num_requests, args.seed, config["vocab_size"],
+                                     args.prompt_len, args.output_len)
+    warmup = make_offline_workload(2, args.seed + 1, config["vocab_size"], (16, 32), (4, 4))
+    flop_rate = matmul_flop_rate(2048, torch.float32, "cpu", repeats=3 if args.quick else 5)
+    ours, ours_ids = run_ours(model_path, requests, warmup, args)
+    progress(f"ours: {ours.wall_s:.1f} s")
+    hf_model = load_hf_model(str(model_path), torch.float32, "cpu")
+    checked = requests[:NUM_REFERENCE_REQUESTS]
+    reference = [hf_greedy_reference(hf_model, r.prompt_token_ids, r.max_tokens) for r in checked]
+    correctness = compare_tokens(ours_ids[:len(checked)], reference)
+    peers = run_hf(hf_model, requests, warmup, args.skip_hf)
+    # Measured again at the end, the faster counts: a shared machine slows some moments down,
+    # and a limit must be what the hardware can do.
+    flop_rate = max(flop_rate, matmul_flop_rate(2048, torch.float32, "cpu", repeats=3))
+    report = run_metadata(["python", "-m", "loadtest.offline", *argv])
+    report.update(build_report(args, requests, shape, flop_rate, ours, peers, correctness))
+    write_json(args.out, report)
+    print(f"wrote {args.out}")
+    print(summary_table(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

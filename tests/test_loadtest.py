@@ -1,0 +1,296 @@
+"""Tests of the benchmarks in loadtest/: the pure pieces, the online client against a fake
+OpenAI-compatible server on 127.0.0.1, and the offline CPU benchmark end to end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import stats
+from loadtest.client import build_payload, endpoint_url
+from loadtest.roofline import ModelShape, decode_limit_seconds, gpu_limit_seconds, request_flops, workload_flops
+from loadtest.sse import DONE, parse_chunk, sse_data
+from loadtest.workload import make_offline_workload, make_token_id_prompts, make_word_prompts, num_useful_tokens
+
+# A shape small enough to count by hand: q_dim 8, kv_dim 4.
+SMALL = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=10, bytes_per_param=1)
+BENCH_CONFIG = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 512, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 1408, "vocab_size": 4032}
+QWEN3_CONFIG = {"model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16,
+                "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+                "tie_word_embeddings": True}
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def test_offline_workload_is_deterministic_and_in_range():
+    a = make_offline_workload(64, 0, 4032, (16, 256), (16, 128))
+    assert a == make_offline_workload(64, 0, 4032, (16, 256), (16, 128))
+    assert a != make_offline_workload(64, 1, 4032, (16, 256), (16, 128))
+    assert all(16 <= len(r.prompt_token_ids) <= 256 and 16 <= r.max_tokens <= 128 for r in a)
+    assert all(3 <= t < 4032 for r in a for t in r.prompt_token_ids)  # no special ids 0..2
+    assert num_useful_tokens(a) == sum(r.max_tokens for r in a)
+    # Both ends of a range are reachable: it is closed, as BENCHMARKS.md writes it.
+    lengths = {r.max_tokens for r in make_offline_workload(500, 0, 100, (1, 1), (1, 3))}
+    assert lengths == {1, 2, 3}
+
+
+@pytest.mark.parametrize("kwargs, bad", [(dict(num_requests=0), "num_requests"),
+                                         (dict(prompt_len=(5, 4)), "prompt_len"),
+                                         (dict(output_len=(0, 4)), "output_len"),
+                                         (dict(vocab_size=3), "vocab_size")])
+def test_offline_workload_rejects_bad_arguments(kwargs, bad):
+    args = dict(num_requests=2, seed=0, vocab_size=100, prompt_len=(1, 4), output_len=(1, 4)) | kwargs
+    with pytest.raises(ValueError, match=bad):
+        make_offline_workload(**args)
+
+
+def test_online_prompts_are_deterministic_and_distinct():
+    words = make_word_prompts(8, 32, seed=0)
+    assert words == make_word_prompts(8, 32, seed=0)
+    assert len(set(words)) == 8 and all(len(p.split()) == 32 for p in words)
+    ids = make_token_id_prompts(4, 16, seed=0)
+    assert all(len(p) == 16 and all(10 <= t < 1000 for t in p) for p in ids)
+
+
+# ---- FLOPs and the roofline --------------------------------------------------------------------
+
+def test_request_flops_by_hand():
+    # layer: q,k,v,o = 8*(8+4+4) + 8*8 = 192; mlp 3*8*16 = 384 -> 576; two layers 1152.
+    assert SMALL.non_embedding_params == 1152 and SMALL.lm_head_params == 80
+    # P=3, O=2: 4 tokens through the layers, 2 LM-head rows, 1+2+3+4 = 10 (query, key) pairs.
+    assert request_flops(SMALL, 3, 2) == {"linear": 2 * 1152 * 4, "lm_head": 2 * 80 * 2,
+                                          "attention": 4 * 2 * 8 * 10}
+    total = workload_flops(SMALL, [(3, 2), (3, 2)])
+    assert total["total"] == 2 * (9216 + 320 + 640)
+
+
+def test_bench_model_shape_matches_its_parameter_count():
+    shape = ModelShape.from_hf_config(BENCH_CONFIG, bytes_per_param=4)
+    # 6 * (512*(512+256+256) + 512*512 + 3*512*1408): what HF counts outside embed/lm_head/norms.
+    assert shape.non_embedding_params == 17_694_720
+    assert shape.kv_bytes_per_token == 2 * 6 * 256 * 4
+
+
+def test_decode_limit_by_hand():
+    # One request, P=3, O=3: two decode steps, seeing 4 and then 5 keys.
+    weights = (1152 + 80 + 2 * 2 * 8 + 8)  # bytes at 1 byte/param: matmuls, LM head, norms
+    kv_per_token = 2 * 2 * 4
+    assert SMALL.weight_bytes_per_step == weights
+    memory_bound = decode_limit_seconds(SMALL, [(3, 3)], bandwidth=1.0, flop_rate=1e30)
+    assert memory_bound == pytest.approx(2 * weights + 9 * kv_per_token)
+    flops = 2 * (1152 + 80) * 2 + 4 * 2 * 8 * 9
+    assert decode_limit_seconds(SMALL, [(3, 3)], bandwidth=1e30, flop_rate=1.0) == pytest.approx(flops)
+    split = gpu_limit_seconds(SMALL, [(3, 3)], bandwidth=1.0, flop_rate=1e30)
+    assert split["total_s"] == pytest.approx(split["prefill_s"] + split["decode_s"])
+
+
+def test_qwen3_shape_reads_about_1_2_gb_per_decode_step():
+    shape = ModelShape.from_hf_config(QWEN3_CONFIG, bytes_per_param=2)
+    assert 1.1e9 < shape.weight_bytes_per_step < 1.25e9  # Qwen3-0.6B: ~0.6B params in bf16
+    assert shape.kv_bytes_per_token == 28 * 2 * 8 * 128 * 2
+
+
+def test_gpu_workloads_follow_benchmarks_md():
+    from loadtest.gpu_bench import WORKLOADS, compare, workload_requests
+
+    requests, warmup = workload_requests(WORKLOADS["A"], 256, 0, 151936, quick=False)
+    assert len(requests) == 256 and len(warmup) > 0
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in requests)
+    peers = {"ours": {"name": "ours", "tokens_per_s": 300.0},
+             "hf_static_bs64": {"name": "hf_static_bs64", "tokens_per_s": 100.0},
+             "hf_static_bs128": {"name": "hf_static_bs128", "error": "out of GPU memory"},
+             "hf_cb": {"name": "hf_cb", "tokens_per_s": 150.0}}
+    assert compare(peers) == {"best_hf_static": "hf_static_bs64", "vs_best_hf_static": 3.0,
+                              "vs_hf_cb": 2.0, "best_peer": "hf_cb", "vs_best_peer": 2.0}
+
+
+def test_gpu_workload_report_from_canned_peers(tmp_path, monkeypatch):
+    import argparse
+
+    from loadtest import gpu_bench
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_CONFIG))
+    canned = {"ours": {"name": "ours", "elapsed_s": 10.0, "tokens_per_s": 300.0},
+              "hf_static": {"name": "hf_static", "error": "out of GPU memory"},
+              "hf_cb": {"name": "hf_cb", "elapsed_s": 20.0, "tokens_per_s": 150.0}}
+    monkeypatch.setattr(gpu_bench, "ensure_checkpoint", lambda cache_dir, preset: tmp_path)
+    monkeypatch.setattr(gpu_bench, "spawn_child", lambda peer, *a: dict(canned[peer]))
+    args = argparse.Namespace(cache_dir=tmp_path, num_requests=8, seed=0, quick=True,
+                              peers=["ours", "hf_static", "hf_cb"], hf_batch_sizes=[64])
+    wl = gpu_bench.run_workload(gpu_bench.WORKLOADS["A"], args, {"copy_bandwidth": 3e12, "bf16_flop_rate": 7e14})
+    assert set(wl["peers"]) == {"ours", "hf_static_bs64", "hf_cb"}
+    assert wl["peers"]["ours"]["fraction_of_limit"] == pytest.approx(wl["limit"]["total_s"] / 10.0)
+    assert wl["comparison"]["vs_hf_cb"] == 2.0 and wl["comparison"]["best_hf_static"] is None
+    report = {"workloads": {"A": wl}, "machine": {"gpu": "X"}, "rates": {"copy_bandwidth": 3e12,
+                                                                         "bf16_flop_rate": 7e14}}
+    table = gpu_bench.summary_table(report)
+    assert "out of GPU memory" in table and table.splitlines()[-1].startswith("X: copy 3,000 GB/s")
+
+
+def test_gpu_bench_without_cuda_says_so_and_exits_cleanly(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: this checks the CPU-only path")
+    from loadtest.gpu_bench import main
+
+    assert main(["--workload", "A"]) is None
+    assert "needs CUDA" in capsys.readouterr().out
+
+
+# ---- percentiles and the knee ------------------------------------------------------------------
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert stats.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert stats.summarize([])["p50"] is None
+
+
+def test_knee_is_the_last_level_before_latency_outgrows_throughput():
+    # 1->4: latency x1.1, throughput x3.6; 4->16: x1.5 vs x2.7; 16->64: x3.8 vs x1.05.
+    sweep = [(1, 1.0, 100.0), (4, 1.1, 360.0), (16, 1.65, 960.0), (64, 6.2, 1010.0)]
+    knee = stats.find_knee(sweep)
+    assert knee["concurrency"] == 16 and knee["reached"]
+    beyond = stats.find_knee(sweep[:3])
+    assert beyond["concurrency"] == 16 and not beyond["reached"]
+    assert stats.find_knee([(1, 1.0, 10.0), (2, 1.0, 0.0)])["concurrency"] == 1  # all failed at 2
+
+
+# ---- SSE -------------------------------------------------------------------------------------
+
+def test_sse_parsing_of_canned_streams():
+    completions = ['data: {"choices":[{"index":0,"text":"Hel","finish_reason":null}]}', "",
+                   ": keep-alive", 'data: {"choices":[{"index":0,"text":"lo","finish_reason":"length"}]}',
+                   'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}', "data: [DONE]"]
+    payloads = [p for p in map(sse_data, completions) if p is not None]
+    assert payloads[-1] == DONE
+    chunks = [parse_chunk(p, "completions") for p in payloads[:-1]]
+    assert [c.text for c in chunks] == ["Hel", "lo", ""]
+    assert chunks[1].finish_reason == "length" and chunks[2].completion_tokens == 2
+    chat = parse_chunk('{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}', "chat")
+    assert chat.text == "Hi"
+    assert parse_chunk('{"error":{"message":"boom"}}', "completions").error == "boom"
+    assert "malformed" in parse_chunk("{not json", "completions").error
+
+
+def test_payload_and_url():
+    assert endpoint_url("http://127.0.0.1:8000", "completions") == "http://127.0.0.1:8000/v1/completions"
+    assert endpoint_url("http://h:1/v1/", "chat") == "http://h:1/v1/chat/completions"
+    with pytest.raises(ValueError, match="base_url"):
+        endpoint_url("127.0.0.1:8000", "completions")
+    body = build_payload("m", [1, 2], 8, "completions")
+    assert body["stream"] and body["ignore_eos"] and body["stream_options"] == {"include_usage": True}
+    with pytest.raises(ValueError, match="completions"):
+        build_payload("m", [1, 2], 8, "chat")
+
+
+# ---- the online client against a fake OpenAI-compatible server ----------------------------------
+
+@pytest.fixture
+def fake_server():
+    pytest.importorskip("aiohttp")
+    from loadtest.fake_server import FakeOpenAIServer
+
+    with FakeOpenAIServer() as server:
+        yield server
+
+
+def _run_online(tmp_path, url, model, *extra):
+    from loadtest.__main__ import main
+
+    return main(["--base-url", url, "--model", model, "--concurrency", "1,4", "--num-prompts", "6",
+                 "--input-len", "8", "--output-len", "5", "--out", str(tmp_path), "--request-timeout", "10",
+                 *extra])
+
+
+def test_online_sweep_writes_results_and_plots(fake_server, tmp_path, capsys):
+    results = _run_online(tmp_path, fake_server.url, "m", "--api-key", "secret")
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [lv["concurrency"] for lv in saved["levels"]] == [1, 4]
+    for level in saved["levels"]:
+        assert level["num_completed"] == 6 and level["num_errors"] == 0
+        assert level["total_output_tokens"] == 6 * 5
+        assert 0 < level["ttft_s"]["p50"] <= level["e2e_s"]["p50"]
+        assert level["itl_s"]["count"] == 6 * 4 and level["tpot_s"]["p50"] > 0
+    assert saved["knee"]["concurrency"] in (1, 4)
+    assert "secret" not in (tmp_path / "results.json").read_text()
+    for name in results["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sent = fake_server.bodies[-1]
+    assert sent["stream"] and sent["ignore_eos"] and sent["max_tokens"] == 5
+    assert sent["stream_options"] == {"include_usage": True}
+    assert "knee: concurrency" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_online_counts_errors_and_bounds_slow_requests(fake_server, tmp_path):
+    flaky = _run_online(tmp_path, fake_server.url, "flaky", "--num-warmup", "0")
+    for level in flaky["levels"]:
+        assert level["num_errors"] > 0 and level["num_completed"] + level["num_errors"] == 6
+        assert "HTTP 500" in level["errors"][0]
+    from loadtest.__main__ import main
+
+    slow = main(["--base-url", fake_server.url, "--model", "slow", "--concurrency", "2", "--num-prompts", "2",
+                 "--input-len", "4", "--output-len", "2", "--out", str(tmp_path), "--request-timeout", "0.5",
+                 "--num-warmup", "0"])
+    assert slow["levels"][0]["num_errors"] == 2 and "timed out" in slow["levels"][0]["errors"][0]
+
+
+def test_online_chat_endpoint(fake_server, tmp_path):
+    from loadtest.__main__ import main
+
+    chat = main(["--base-url", fake_server.url + "/v1", "--model", "m", "--endpoint", "chat", "--concurrency", "2",
+                 "--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--out", str(tmp_path)])
+    assert chat["levels"][0]["total_output_tokens"] == 6 and chat["url"].endswith("/v1/chat/completions")
+    assert fake_server.bodies[-1]["messages"][0]["role"] == "user"
+
+
+def test_online_stops_when_the_server_refuses_the_warmup(fake_server, tmp_path):
+    with pytest.raises(SystemExit, match="warm-up request"):
+        _run_online(tmp_path, fake_server.url, "fail")
+
+
+# ---- the offline CPU benchmark, end to end ------------------------------------------------------
+
+def _engine_importable() -> bool:
+    try:
+        from engine import LLM, SamplingParams  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+
+
+def test_hf_static_batching_matches_unpadded_greedy(tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    from loadtest.hf_peer import hf_greedy_reference, load_hf_model, make_batches, run_static_batch
+
+    model = load_hf_model(str(tiny_model_dir), torch.float32, "cpu")
+    requests = make_offline_workload(4, 0, 1000, (3, 20), (2, 6))
+    assert make_batches(requests, 2, sort_by_output=True) == [
+        sorted(range(4), key=lambda i: requests[i].max_tokens)[:2],
+        sorted(range(4), key=lambda i: requests[i].max_tokens)[2:]]
+    batched = run_static_batch(model, requests, [0, 1, 2, 3])  # left padding, one generate
+    assert batched == [hf_greedy_reference(model, r.prompt_token_ids, r.max_tokens) for r in requests]
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="engine.LLM does not import yet")
+def test_offline_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
+    from loadtest.offline import main
+
+    report = main(["--quick", "--skip-hf", "--num-requests", "3", "--model-dir", str(tiny_model_dir),
+                   "--out", str(tmp_path / "offline.json")])
+    saved = json.loads((tmp_path / "offline.json").read_text())
+    assert saved["ours"]["tokens_per_s"] > 0 and 0 < saved["ours"]["fraction_of_limit"]
+    assert saved["workload"]["num_useful_output_tokens"] == report["workload"]["num_useful_output_tokens"]
+    assert saved["correctness"]["num_mismatched"] == 0  # our greedy tokens equal HF's
+    assert saved["peers"] == {} and saved["git_commit"] and saved["date"]
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("torch threads")
