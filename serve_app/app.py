@@ -1,0 +1,104 @@
+"""`build_app(args)`: the Serve application, assembled with `.bind()`.
+
+    Ingress (FastAPI, @serve.batch) --+--------------------------------> EngineDeployment (autoscaled)
+                                      +--> Guardrails (JSON requests) --^
+
+    serve run deploy/config.yaml
+    serve run serve_app.app:build_app model=models/tiny-llama device=cpu dtype=float32
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ray import serve
+
+from serve_app.args import AppArgs, parse_app_args
+from serve_app.engine_deployment import EngineDeployment
+from serve_app.guardrails import Guardrails
+from serve_app.ingress import Ingress
+from serve_app.placement import engine_placement, resolve_device
+
+logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
+
+BATCH_AFFINITY_ROUTER = "serve_app.routing.BatchAffinityRouter"
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Validate `args` (a bad one raises ValueError naming it) and bind the three deployments."""
+    a = parse_app_args(args)
+    a = _absolute_model_paths(a)
+    if a.check_model_at_build:
+        check_model(a)
+    device = resolve_device(a.device)
+    engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)
+    guardrails = Guardrails.options(
+        num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0}, **router_options(a)).bind(engine, a.guardrails)
+    return Ingress.options(**ingress_options(a)).bind(engine, guardrails, a)
+
+
+def engine_options(a: AppArgs, device: str) -> dict[str, Any]:
+    autoscaling = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                   "target_ongoing_requests": a.target_ongoing_requests}
+    if a.initial_replicas is not None:
+        autoscaling["initial_replicas"] = a.initial_replicas
+    return {
+        "autoscaling_config": autoscaling,
+        # Ongoing requests per replica: enough to fill the engine's batch (max_num_seqs) with a queue behind it.
+        "max_ongoing_requests": a.engine_max_ongoing_requests or 2 * a.max_num_seqs,
+        "max_queued_requests": a.max_queued_requests,
+        "health_check_period_s": a.health_check_period_s,
+        "health_check_timeout_s": a.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
+        **engine_placement(device, a.tensor_parallel_size, a.engine_num_cpus),
+        **router_options(a),
+    }
+
+
+def router_options(a: AppArgs) -> dict[str, Any]:
+    """How callers pick a replica of a deployment (the router runs in the caller's process)."""
+    if a.request_router == "batch_affinity":
+        return {"request_router_config": {"request_router_class": BATCH_AFFINITY_ROUTER}}
+    return {}
+
+
+def ingress_options(a: AppArgs) -> dict[str, Any]:
+    # Serve caps a replica's concurrent requests (and so the batch) at max_ongoing_requests, and
+    # streams hold their slot until the last token: keep it well above max_batch_size.
+    max_ongoing = max(a.ingress_max_ongoing_requests, 2 * a.max_batch_size)
+    return {
+        "num_replicas": a.ingress_replicas,
+        "max_ongoing_requests": max_ongoing,
+        "user_config": a.batching().model_dump(),
+        "ray_actor_options": {"num_cpus": 0},
+        "graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
+    }
+
+
+def check_model(a: AppArgs) -> None:
+    """Fail at build time, naming the arg, when the checkpoint is missing or of an unsupported kind."""
+    from engine.config import ModelConfig
+    from engine.loader import resolve_model_path
+
+    try:
+        ModelConfig.from_pretrained(resolve_model_path(a.model))
+        if a.tokenizer:
+            resolve_model_path(a.tokenizer)
+    except ValueError as e:
+        raise ValueError(f"invalid application args: model={a.model!r}: {e}") from None
+
+
+def _absolute_model_paths(a: AppArgs) -> AppArgs:
+    """`models/tiny-llama` means relative to where `serve run` was started, not to a worker's cwd."""
+    updates = {}
+    for name in ("model", "tokenizer"):
+        value = getattr(a, name)
+        if value and not os.path.isabs(value) and os.path.isdir(value):
+            updates[name] = os.path.abspath(value)
+    if not updates:
+        return a
+    if a.served_model_name is None:
+        updates["served_model_name"] = a.model_name
+    return a.model_copy(update=updates)

@@ -1,0 +1,181 @@
+"""EngineDeployment: one AsyncLLM per replica, streaming compact deltas back to the caller.
+
+    Ingress/Guardrails --EngineRequest--> generate() --StreamItem, StreamItem, ...--> caller
+
+Cancellation: when the caller goes away, Serve cancels the task iterating `generate()`;
+the pump task that reads the engine is cancelled with it, which closes the engine's
+iterator, which aborts the request and frees its KV blocks at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind
+from serve_app.args import AppArgs
+from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
+from serve_app.placement import expose_bundle_gpus
+
+logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
+
+SHUTDOWN_MESSAGE = "The request was aborted: the engine replica is shutting down. Please retry."
+
+
+@serve.deployment(name="EngineDeployment")
+class EngineDeployment:
+    def __init__(self, args: AppArgs, device: str):
+        if device == "cuda":
+            expose_bundle_gpus(args.tensor_parallel_size)
+        self.llm = AsyncLLM(args.engine_config(device))
+        self._shutting_down = False
+        self._replica = _replica_tag()
+        cfg = self.llm.engine_config
+        logger.info("engine replica %s ready: max_model_len=%d", self._replica, cfg.max_model_len)
+
+    # -- requests -------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
+        params = request.sampling_params
+        params.output_kind = RequestOutputKind.DELTA
+        prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
+        logger.debug("generate %s batch %s", request.request_id, request.batch_id)
+        outputs = self.llm.generate(prompt, params, request.request_id)
+        # aclosing: however this generator ends (cancelled, closed at a yield), the chain
+        # below is closed now, not at garbage collection, and the engine aborts the request.
+        async with contextlib.aclosing(_coalesce(_to_items(outputs, self))) as items:
+            async for item in items:
+                yield item
+
+    def failure(self, e: BaseException) -> StreamError:
+        """Map an engine exception to what the client is told."""
+        if isinstance(e, EngineDeadError) or self._shutting_down:
+            return StreamError("unavailable", f"The engine is unavailable: {e}")
+        if isinstance(e, ValueError):
+            return StreamError("invalid_request", str(e))
+        logger.exception("request failed in the engine")
+        return StreamError("internal", "The engine failed while serving this request.")
+
+    # -- control ----------------------------------------------------------------------
+    async def model_info(self) -> dict[str, Any]:
+        cfg, mcfg = self.llm.engine_config, self.llm.model_config
+        return {"max_model_len": cfg.max_model_len, "vocab_size": mcfg.vocab_size,
+                "eos_token_ids": list(mcfg.eos_token_ids)}
+
+    async def get_stats(self) -> dict[str, Any]:
+        return {"replica": self._replica, "time": time.time(), **self.llm.get_stats()}
+
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising makes it replace the replica."""
+        await self.llm.check_health()
+
+    def __del__(self):
+        # Serve calls this after graceful_shutdown_timeout_s of draining; what is still in
+        # flight gets finish_reason "abort", which the callers report as SHUTDOWN_MESSAGE.
+        llm = getattr(self, "llm", None)
+        if llm is not None and not self._shutting_down:
+            self._shutting_down = True
+            logger.info("engine replica %s shutting down", self._replica)
+            llm.shutdown()
+
+
+def _replica_tag() -> str:
+    try:
+        return serve.get_replica_context().replica_tag
+    except Exception:  # noqa: BLE001 - constructed outside Serve (tests)
+        return "local"
+
+
+async def _to_items(outputs: AsyncIterator[RequestOutput], owner: EngineDeployment) -> AsyncIterator[StreamItem]:
+    """RequestOutputs (DELTA) as StreamItems; errors and engine-side aborts end the stream with an error item."""
+    try:
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                item = to_stream_item(out)
+                if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
+                    item.error = StreamError("unavailable", SHUTDOWN_MESSAGE)
+                if out.finished:
+                    item.stats = await owner.get_stats()
+                yield item
+    except Exception as e:  # noqa: BLE001 - every failure ends the stream with an error item
+        yield StreamItem(finished=True, error=owner.failure(e))
+
+
+def to_stream_item(out: RequestOutput) -> StreamItem:
+    deltas = [Delta(index=c.index, text=c.text, token_ids=list(c.token_ids),
+                    logprobs=_logprobs(c.logprobs), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+              for c in out.outputs]
+    return StreamItem(deltas=deltas, num_prompt_tokens=len(out.prompt_token_ids),
+                      num_cached_tokens=out.num_cached_tokens, finished=out.finished)
+
+
+def _logprobs(entries) -> list | None:
+    if entries is None:
+        return None
+    return [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in d.items()] for d in entries]
+
+
+async def _coalesce(items: AsyncIterator[StreamItem]) -> AsyncIterator[StreamItem]:
+    """Yield items as they come, merging those that pile up while the previous one is being sent.
+
+    Under load the replica's event loop sends slower than the engine steps, so one Ray
+    message carries several steps' tokens instead of one message per token.
+    """
+    buffer: list[StreamItem] = []
+    ready = asyncio.Event()
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                buffer.append(item)
+                ready.set()
+        finally:
+            ready.set()
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            await ready.wait()
+            ready.clear()
+            if buffer:
+                merged = merge_items(buffer)
+                buffer.clear()
+                yield merged
+                if merged.finished:
+                    break
+            elif task.done():
+                break
+        task.result()  # surface a pump failure
+    finally:
+        task.cancel()  # the caller is gone: closing the engine iterator aborts the request
+        await asyncio.gather(task, return_exceptions=True)
+        await items.aclose()
+
+
+def merge_items(items: list[StreamItem]) -> StreamItem:
+    """Concatenate the per-completion deltas of consecutive items (same index -> one delta)."""
+    if len(items) == 1:
+        return items[0]
+    last = items[-1]
+    merged: dict[int, Delta] = {}
+    for item in items:
+        for d in item.deltas:
+            m = merged.get(d.index)
+            if m is None:
+                merged[d.index] = Delta(d.index, d.text, list(d.token_ids),
+                                        list(d.logprobs) if d.logprobs is not None else None,
+                                        d.finish_reason, d.stop_reason)
+                continue
+            m.text += d.text
+            m.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            m.finish_reason, m.stop_reason = d.finish_reason or m.finish_reason, d.stop_reason or m.stop_reason
+    return StreamItem(deltas=list(merged.values()), num_prompt_tokens=last.num_prompt_tokens,
+                      num_cached_tokens=last.num_cached_tokens, finished=last.finished, error=last.error,
+                      stats=last.stats)

@@ -1,0 +1,238 @@
+"""The Ingress deployment: OpenAI's HTTP surface (FastAPI under `@serve.ingress`) with micro-batched prompt work.
+
+    request -> auth, body limit, pydantic validation (400s) -> admission (503 + Retry-After)
+            -> _prepare: @serve.batch of PrepJobs: chat templates + tokenization, one call per batch
+            -> one engine stream per prompt (via Guardrails when response_format asks for JSON)
+            -> JSON body, or SSE chunks ... data: [DONE]
+
+Batching and streaming: the batch covers only the prompt work, which ends before any
+token is generated; then every request opens its own stream, from its own task. So a
+disconnect cancels exactly that task's stream (and through it the engine request),
+whether or not the request went through a batch, and a slow reader never holds up
+the others. A request cancelled while waiting in the batch queue is dropped from the
+batch by Serve before it reaches the engine at all.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from transformers import AutoTokenizer
+
+from engine.loader import resolve_model_path
+from engine.sampling_params import SamplingParams
+from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
+from serve_app.client import merge_streams, stream_from
+from serve_app.errors import (OpenAIError, from_validation_error, from_value_error, model_not_found,
+                              overloaded)
+from serve_app.http_util import check_api_key, error_response, install_error_handlers, read_body
+from serve_app.messages import EngineRequest
+from serve_app.metrics import ServeMetrics
+from serve_app.preprocess import ModelLimits, Prepared, PrepJob, prepare_batch
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
+from serve_app.streaming import Generation
+
+logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
+
+app = FastAPI(title="rayllm: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+install_error_handlers(app)
+
+_INLINE_PREP_CHARS = 16_384  # below this much text a batch is tokenized on the event loop (no thread hop)
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# (Defined before the class: Serve serializes the deployment class when it is decorated.)
+def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    try:
+        return req.to_sampling_params()
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, guardrails: DeploymentHandle, args: AppArgs):
+        self.args = args
+        self.engine = engine
+        self.guardrails = guardrails
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer or args.model))
+        self.metrics = ServeMetrics(args.metrics_prefix, args.model_name)
+        app.state.metrics = self.metrics  # error answers are counted by status too (http_util)
+        self.batching = args.batching()
+        self.created = int(time.time())
+        self._limits: ModelLimits | None = None
+        self._num_pending = 0
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """user_config: micro-batching knobs and admission limit, changed without a restart."""
+        try:
+            cfg = BatchingConfig.model_validate(config or {})
+        except ValidationError as e:
+            raise ValueError("invalid Ingress user_config: " + describe_validation_error(e)) from None
+        self._prepare_batch.set_max_batch_size(cfg.max_batch_size)
+        self._prepare_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
+        self.batching = cfg
+        logger.info("batching: max_batch_size=%d batch_wait_timeout_s=%s", cfg.max_batch_size,
+                    cfg.batch_wait_timeout_s)
+
+    # -- routes ---------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        req = await self._parse(request, CompletionRequest)
+        params = _sampling_params(req)
+        with self._admit():
+            prepared = await self._prepare(PrepJob(max_tokens=req.max_tokens, prompts=req.prompts()))
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            echo = [t if t is not None else self.tokenizer.decode(ids)
+                    for t, ids in zip(prepared.prompt_texts, prepared.prompt_token_ids)] if req.echo else None
+            builder = CompletionBuilder(request_id, req.model, req.n, len(prepared.prompt_token_ids), req.logprobs,
+                                        req.include_usage, echo_texts=echo)
+            return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        req = await self._parse(request, ChatCompletionRequest)
+        params = _sampling_params(req)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        with self._admit():
+            prepared = await self._prepare(PrepJob(
+                max_tokens=params.max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message))
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            k = (req.top_logprobs or 0) if req.logprobs else None
+            builder = ChatBuilder(request_id, req.model, req.n, 1, k, req.include_usage)
+            return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=req.json_mode)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        check_api_key(request, self.args.api_key)
+        return {"object": "list", "data": [await self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        check_api_key(request, self.args.api_key)
+        if model_id != self.args.model_name:
+            raise model_not_found(model_id)
+        return await self._model_card()
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.engine.check_health.remote(), timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - any failure to answer is "not healthy"
+            return error_response(overloaded(f"The engine is not healthy: {type(e).__name__}",
+                                             self.args.retry_after_s))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        with contextlib.suppress(Exception):  # a scrape still answers when the engine does not
+            self.metrics.engine_stats(await asyncio.wait_for(self.engine.get_stats.remote(), timeout=2.0))
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- request path ---------------------------------------------------------------------
+    async def _parse(self, request: Request, model_cls):
+        check_api_key(request, self.args.api_key)
+        body = await read_body(request, self.args.max_request_body_bytes)
+        try:
+            req = model_cls.model_validate_json(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        if req.model != self.args.model_name:
+            raise model_not_found(req.model)
+        return req
+
+    @contextlib.contextmanager
+    def _admit(self):
+        """Shed load (503 + Retry-After) beyond max_pending_requests in flight in this replica."""
+        limit = self.batching.max_pending_requests
+        if limit is not None and self._num_pending >= limit:
+            raise overloaded(f"The server is at capacity ({limit} requests in flight); retry later.",
+                             self.args.retry_after_s)
+        self._num_pending += 1
+        try:
+            yield
+        finally:
+            self._num_pending -= 1
+
+    async def _prepare(self, job: PrepJob) -> Prepared:
+        if self.batching.max_batch_size > 1:
+            result = await self._prepare_batch(job)
+        else:  # batching off: the same work, for one request, without the queue
+            result = (await self._prepare_now([job]))[0]
+        if isinstance(result, OpenAIError):
+            raise result
+        return result
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)  # the live values come from reconfigure()
+    async def _prepare_batch(self, jobs: list[PrepJob]) -> list[Prepared | OpenAIError]:
+        return await self._prepare_now(jobs)
+
+    async def _prepare_now(self, jobs: list[PrepJob]) -> list[Prepared | OpenAIError]:
+        self.metrics.observe_batch(len(jobs))
+        limits = await self._model_limits()
+        size = sum(len(p) if isinstance(p, str) else 0 for j in jobs for p in (j.prompts or ()))
+        size += sum(len(m.get("content") or "") for j in jobs for m in (j.messages or ()))
+        if size < _INLINE_PREP_CHARS:
+            results = prepare_batch(self.tokenizer, jobs, limits)
+        else:
+            results = await asyncio.to_thread(prepare_batch, self.tokenizer, jobs, limits)
+        if len(jobs) > 1:  # the batch's one routing decision: its requests share an engine replica
+            batch_id = uuid.uuid4().hex
+            for r in results:
+                if isinstance(r, Prepared):
+                    r.batch_id = batch_id
+        return results
+
+    async def _model_limits(self) -> ModelLimits:
+        if self._limits is None:
+            try:
+                info = await self.engine.model_info.remote()
+            except Exception as e:  # noqa: BLE001 - no engine to ask: a 503, not a 500
+                raise overloaded(f"The engine is unavailable: {type(e).__name__}", self.args.retry_after_s) from e
+            self._limits = ModelLimits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"])
+        return self._limits
+
+    async def _model_card(self) -> dict:
+        limits = await self._model_limits()
+        return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "rayllm",
+                "root": self.args.model, "parent": None, "max_model_len": limits.max_model_len}
+
+    async def _generate(self, request_id: str, prepared: Prepared, params: SamplingParams, builder: ResponseBuilder,
+                        stream: bool, json_mode: bool) -> Response:
+        handle = self.guardrails if json_mode else self.engine
+        requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
+                                  prepared.batch_id)
+                    for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
+        items = merge_streams([stream_from(handle, r) for r in requests])
+        gen = Generation(items, builder, self.metrics.request(), self.args.retry_after_s)
+        try:
+            await gen.first()
+            if not stream:
+                return JSONResponse(await gen.body())
+        except BaseException:
+            await items.aclose()
+            raise
+        self._num_pending += 1  # the stream outlives this handler: released when it ends
+        return StreamingResponse(self._sse(gen, items), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _sse(self, gen: Generation, items):
+        events = gen.sse()
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._num_pending -= 1
+            await events.aclose()  # records the outcome (499 when the client went away)
+            await items.aclose()  # stops every engine stream of this request still running

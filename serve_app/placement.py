@@ -1,0 +1,67 @@
+"""Where an engine replica runs: its placement-group bundles, and the GPUs its TP ranks may use.
+
+One replica = one placement group. On CUDA: one {"GPU": 1} bundle per tensor-parallel rank,
+STRICT_PACK (all ranks on one node: NCCL over NVLink/PCIe, never across hosts); the replica
+actor itself lives in bundle 0 and spawns ranks 1.. as local processes. On CPU: one CPU
+bundle per rank (gloo), also packed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
+
+
+def resolve_device(device: str) -> str:
+    """'auto' is 'cuda' when the Ray cluster has GPUs, else 'cpu' (decided where the app is built)."""
+    if device != "auto":
+        return device
+    try:
+        import ray
+        if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+            return "cuda"
+    except Exception:  # noqa: BLE001 - no cluster to ask: serve on CPU
+        logger.debug("could not read cluster resources; device auto -> cpu")
+    return "cpu"
+
+
+def engine_placement(device: str, tensor_parallel_size: int, num_cpus: float) -> dict[str, Any]:
+    """`ray_actor_options` + `placement_group_bundles` + strategy for one EngineDeployment replica."""
+    if device == "cuda":
+        bundles = [{"CPU": num_cpus, "GPU": 1.0}] + [{"GPU": 1.0} for _ in range(tensor_parallel_size - 1)]
+        actor = {"num_cpus": num_cpus, "num_gpus": 1.0}
+    else:
+        bundles = [{"CPU": num_cpus}] + [{"CPU": 1.0} for _ in range(tensor_parallel_size - 1)]
+        actor = {"num_cpus": num_cpus}
+    return {"ray_actor_options": actor, "placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+
+
+def expose_bundle_gpus(tensor_parallel_size: int) -> None:
+    """Make the GPUs of all of this replica's bundles visible to its TP worker processes.
+
+    Ray sets CUDA_VISIBLE_DEVICES of the replica to bundle 0's GPU only. Each other bundle's
+    GPU id is learned by a zero-work task scheduled into that bundle; rank r then uses the
+    r-th visible device. Must run before torch initialises CUDA in this process.
+    """
+    if tensor_parallel_size <= 1:
+        return
+    import ray
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("tensor_parallel_size > 1 needs the replica's placement group (none found)")
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def _gpu_ids() -> list[str]:
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    own = [str(g) for g in ray.get_gpu_ids()]
+    refs = [_gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+            .remote() for i in range(1, tensor_parallel_size)]
+    others = [g for ids in ray.get(refs) for g in ids]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(own + others)
+    logger.info("tensor parallel over GPUs %s", os.environ["CUDA_VISIBLE_DEVICES"])

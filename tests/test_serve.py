@@ -1,0 +1,382 @@
+"""The whole application on a real local Ray Serve, driven over loopback HTTP like a user would.
+
+One app per module (Ray + the tiny model start once): the official `openai` client and raw
+httpx against it; greedy outputs compared with the offline `engine.LLM`.
+"""
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from serve_app.local import local_server, reconfigure_ingress
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "tiny-llama"
+API_KEY = "sk-test"
+MAX_BODY = 64 * 1024
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=2048, num_kv_blocks=512, max_num_seqs=64, seed=0)
+PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time, in a land", "1 2 3 4 5"]
+MAX_TOKENS = 12
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+DEFAULT_BATCHING = {"max_batch_size": 8, "batch_wait_timeout_s": 0.0, "max_pending_requests": None}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Greedy outputs of the offline engine: the oracle for every greedy request below."""
+    llm = LLM(model=tiny_llama, **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = llm.generate(PROMPTS, greedy)
+    chat_ids = llm.get_tokenizer().apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    chat_ids = llm.get_tokenizer()(chat_ids, add_special_tokens=False)["input_ids"]
+    (chat,) = llm.generate([{"prompt_token_ids": chat_ids}], greedy)
+    ref = {"text": [o.outputs[0].text for o in outs], "ids": [o.prompt_token_ids for o in outs],
+           "num_tokens": [len(o.outputs[0].token_ids) for o in outs], "chat": chat.outputs[0].text}
+    llm.llm_engine.shutdown()
+    return ref
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_llama, reference):
+    args = dict(model=tiny_llama, served_model_name=MODEL, api_key=API_KEY, max_request_body_bytes=MAX_BODY,
+                **ENGINE, **{k: v for k, v in DEFAULT_BATCHING.items() if v is not None})
+    with local_server(args, num_cpus=2) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+def _metric(http, name: str, default: float | None = None, **labels: str) -> float:
+    """One sample of /metrics: the first series of `name` carrying all `labels`."""
+    for line in http.get("/metrics").text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if (series == name or series.startswith(name + "{")) and all(f'{k}="{v}"' in series
+                                                                     for k, v in labels.items()):
+            return float(value)
+    assert default is not None, f"{name} {labels} not in /metrics"
+    return default
+
+
+def _num_cancelled(http) -> float:
+    return _metric(http, "rayllm_requests_total", default=0.0, status="499")
+
+
+def _wait_engine_idle(http, within_s: float) -> float:
+    """Seconds until no request runs or waits and the KV cache is empty; fails after `within_s`."""
+    start = time.monotonic()
+    while True:
+        running = _metric(http, "rayllm_num_requests_running") + _metric(http, "rayllm_num_requests_waiting")
+        if running == 0 and _metric(http, "rayllm_kv_cache_usage_perc") == 0:
+            return time.monotonic() - start
+        assert time.monotonic() - start < within_s, f"engine still busy after {within_s}s ({running} requests)"
+        time.sleep(0.1)
+
+
+# -- generation ----------------------------------------------------------------------
+def test_greedy_completions_equal_offline_engine(client, reference):
+    for i, prompt in enumerate(PROMPTS):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == reference["text"][i]
+        assert r.usage.prompt_tokens == len(reference["ids"][i])
+        assert r.usage.completion_tokens == reference["num_tokens"][i]
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_batch_of_prompts_and_token_id_prompts(client, reference):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in r.choices] == reference["text"]
+    r = client.completions.create(model=MODEL, prompt=reference["ids"][1], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference["text"][1]
+
+
+def test_streaming_equals_non_streaming(client, reference):
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference["text"][2]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reference["num_tokens"][2]
+
+
+def test_chat_and_chat_streaming(client, reference):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference["chat"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference["chat"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_raw_sse_framing(http):
+    with http.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 3,
+                                                            "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_n_choices_with_seed(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 24
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_stop_string(client, reference):
+    full = reference["text"][1]
+    stop = full[4:7]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(client, reference):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == reference["num_tokens"][0]
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and token_lp == pytest.approx(max(top.values()))  # greedy = the top-1
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs(client, reference):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == reference["num_tokens"][0] or len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+
+def test_echo(client, reference):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[3] + reference["text"][3]
+
+
+def test_json_response_format_goes_through_guardrails(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_concurrent_requests_match_sequential(base_url, reference):
+    async def one(c: httpx.AsyncClient, i: int):
+        k = i % len(PROMPTS)
+        body = {"model": MODEL, "prompt": PROMPTS[k], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "stream": i % 2 == 1}
+        if not body["stream"]:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return k, r.json()["choices"][0]["text"]
+        text = []
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return k, "".join(text)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+    for k, text in asyncio.run(run()):
+        assert text == reference["text"][k]
+
+
+# -- cancellation --------------------------------------------------------------------
+LONG = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1900, "ignore_eos": True, "temperature": 0}
+
+
+def _disconnect_stream(http):
+    with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if n >= 3:
+                break  # leaving the block closes the connection mid-stream
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_disconnected_stream_frees_the_engine(http, batching):
+    reconfigure_ingress(DEFAULT_BATCHING if batching else {**DEFAULT_BATCHING, "max_batch_size": 1})
+    try:
+        cancelled = _num_cancelled(http)
+        _disconnect_stream(http)
+        assert _wait_engine_idle(http, within_s=3.0) < 3.0
+        assert _num_cancelled(http) == cancelled + 1  # cut short, not finished
+    finally:
+        reconfigure_ingress(DEFAULT_BATCHING)
+
+
+def test_disconnected_non_streaming_request_frees_the_engine(base_url, http):
+    cancelled = _num_cancelled(http)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=LONG, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=1.5)
+    assert _wait_engine_idle(http, within_s=3.0) < 3.0
+    assert _num_cancelled(http) == cancelled + 1
+
+
+# -- errors -----------------------------------------------------------------------------
+BAD = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": 9}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, "stop"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 4000}, "max_tokens"),
+    ("/v1/completions", {"prompt": list(range(3, 2100))}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p.split('/')[-1]}-{b_}" for p, _, b_ in BAD])
+def test_invalid_requests_are_400_naming_the_field(http, path, body, param):
+    r = http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+
+
+GARBAGE = [
+    b'{"model": "tiny-llama", "prompt": "x", "temperature": NaN}',
+    b'{"model": "tiny-llama", "prompt": "x", "n": 1e309}',
+    b'{"model": "tiny-llama", "prompt": "x", "max_tokens": 99999999999999999999999}',
+    b'{"model": "tiny-llama", "prompt": [[[1]]]}', b'{"model": "tiny-llama", "prompt": null}', b'[]', b'"x"', b'',
+    b'{"model": null, "prompt": "x"}', b'{"model": "tiny-llama", "prompt": "x", "stop": ["a", null]}',
+    b'{"model": "tiny-llama", "prompt": "x", "stream_options": 5, "stream": true}',
+    b'{"model": "tiny-llama", "prompt": "x", "seed": -99999999999999999999}', b'\xff\xfe',
+    b'{"model": "tiny-llama", "prompt": "x", "logprobs": true}',
+    b'{"model": "tiny-llama", "prompt": "x", "stop_token_ids": [99999999]}',
+]
+GARBAGE_CHAT = [
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": null}]}',
+    b'{"model": "tiny-llama", "messages": [{"content": "x"}]}', b'{"model": "tiny-llama", "messages": {}}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+    b'"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": true}',
+]
+
+
+def test_garbage_is_never_a_server_error(http):
+    for path, bodies in (("/v1/completions", GARBAGE), ("/v1/chat/completions", GARBAGE_CHAT)):
+        for body in bodies:
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500 and "error" in r.json(), (body, r.status_code, r.text)
+
+
+def test_invalid_json_is_400(http):
+    r = http.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4000)
+    assert "maximum context length" in str(info.value)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}])
+def test_missing_or_wrong_key_is_401(base_url, headers):
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+        r = httpx.request(method, base_url + path, json={"model": MODEL, "prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_unknown_model_and_route_are_404(http):
+    r = http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = http.post("/v1/nothing", json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_body_over_limit_is_413(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (MAX_BODY + 1)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_load_shedding_is_503_with_retry_after(http):
+    reconfigure_ingress({**DEFAULT_BATCHING, "max_pending_requests": 0})
+    try:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        reconfigure_ingress(DEFAULT_BATCHING)
+
+
+# -- control surface ---------------------------------------------------------------------
+def test_models_health_metrics(client, http):
+    (m,) = client.models.list().data
+    assert m.id == MODEL
+    assert http.get("/health").status_code == 200
+    text = http.get("/metrics").text
+    for name in ("rayllm_num_requests_running", "rayllm_num_requests_waiting",
+                 "rayllm_time_to_first_token_seconds_bucket", "rayllm_e2e_request_latency_seconds_count",
+                 "rayllm_requests_total", "rayllm_generation_tokens_total"):
+        assert name in text
+    assert _metric(http, "rayllm_time_to_first_token_seconds_count") > 0
+    assert _metric(http, "rayllm_requests_total", status="200") > 0
+    assert _metric(http, "rayllm_requests_total", status="400") > 0  # error answers are counted too
+    assert _metric(http, "rayllm_requests_total", status="401") > 0
+
+
+def test_reconfigure_batching_takes_effect(base_url, http):
+    def batches_for(concurrency: int) -> tuple[float, float]:
+        before = (_metric(http, "rayllm_ingress_batch_size_count"), _metric(http, "rayllm_ingress_batch_size_sum"))
+
+        async def run():
+            async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                         timeout=120) as c:
+                rs = await asyncio.gather(*(c.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                                            "max_tokens": 2})
+                                            for _ in range(concurrency)))
+                assert all(r.status_code == 200 for r in rs)
+        asyncio.run(run())
+        return (_metric(http, "rayllm_ingress_batch_size_count") - before[0],
+                _metric(http, "rayllm_ingress_batch_size_sum") - before[1])
+
+    try:
+        reconfigure_ingress({**DEFAULT_BATCHING, "max_batch_size": 1})
+        assert batches_for(8) == (8, 8)  # off: one batch per request
+        reconfigure_ingress({**DEFAULT_BATCHING, "max_batch_size": 16, "batch_wait_timeout_s": 1.0})
+        num_batches, num_requests = batches_for(8)
+        assert num_requests == 8 and num_batches < 8  # on: requests share batches
+    finally:
+        reconfigure_ingress(DEFAULT_BATCHING)

@@ -1,0 +1,81 @@
+"""Application args, deployment options and deploy/config.yaml (no Ray cluster)."""
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.app import build_app, engine_options, ingress_options
+from serve_app.args import parse_app_args
+from serve_app.placement import engine_placement
+
+CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
+
+
+@pytest.mark.parametrize("args,named", [
+    ({"model": "m", "max_batch_size": 0}, "max_batch_size"),
+    ({"model": "m", "batch_wait_timeout_s": -1}, "batch_wait_timeout_s"),
+    ({"model": "m", "device": "tpu"}, "device"),
+    ({"model": "m", "dtype": "int3"}, "dtype"),
+    ({"model": "m", "tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"model": "m", "min_replicas": 3, "max_replicas": 2}, "min_replicas"),
+    ({"model": "m", "block_size": 12}, "block_size"),
+    ({"model": "m", "metrics_prefix": "bad-name"}, "metrics_prefix"),
+    ({"model": "m", "max_num_seqs": "many"}, "max_num_seqs"),
+    ({"model": "m", "no_such_arg": 1}, "no_such_arg"),
+    ({}, "model"),
+])
+def test_bad_args_fail_naming_them(args, named):
+    with pytest.raises(ValueError, match=named):
+        parse_app_args(args)
+
+
+def test_cli_strings_are_coerced():  # `serve run serve_app.app:build_app max_batch_size=4 ...`
+    a = parse_app_args({"model": "m", "max_batch_size": "4", "batch_wait_timeout_s": "0.01",
+                        "enable_prefix_caching": "false", "api_key": "k"})
+    assert (a.max_batch_size, a.batch_wait_timeout_s, a.enable_prefix_caching, a.api_key) == (4, 0.01, False, "k")
+    assert a.model_name == "m"
+
+
+def test_engine_placement_cuda_tp():
+    p = engine_placement("cuda", 4, 1.0)
+    assert p["placement_group_strategy"] == "STRICT_PACK"
+    assert len(p["placement_group_bundles"]) == 4
+    assert all(b["GPU"] == 1.0 for b in p["placement_group_bundles"])
+    assert p["ray_actor_options"]["num_gpus"] == 1.0  # the replica itself lives in bundle 0
+    cpu = engine_placement("cpu", 1, 2.0)
+    assert cpu["placement_group_bundles"] == [{"CPU": 2.0}] and "num_gpus" not in cpu["ray_actor_options"]
+
+
+def test_deployment_options():
+    a = parse_app_args({"model": "m", "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8,
+                        "max_batch_size": 600})
+    eng = engine_options(a, "cpu")
+    assert eng["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0}
+    ing = ingress_options(a)
+    assert ing["max_ongoing_requests"] >= 600  # the batch can actually fill
+    assert ing["user_config"]["max_batch_size"] == 600
+
+
+def test_build_app_binds_the_graph(tiny_llama):
+    app = build_app({"model": tiny_llama, "device": "cpu"})
+    assert type(app).__name__ == "Application"
+    assert type(build_app({"model": "m", "device": "cpu", "check_model_at_build": False})).__name__ == "Application"
+
+
+def test_missing_model_fails_at_build_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="model="):
+        build_app({"model": str(tmp_path / "nope"), "device": "cpu"})
+
+
+def test_deploy_config_is_a_valid_serve_config():
+    config = yaml.safe_load(CONFIG.read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == "serve_app.app:build_app" and app.route_prefix == "/"
+    assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8000
+    assert app.args["model"] == "models/tiny-llama"
+    parse_app_args(app.args)  # the args themselves are valid
+    ingress = next(d for d in app.deployments if d.name == "Ingress")
+    from serve_app.args import BatchingConfig
+    BatchingConfig.model_validate(ingress.user_config)

@@ -1,0 +1,143 @@
+"""The engine deployment (no Ray): delta conversion, coalescing, cancellation, errors, health, shutdown."""
+import asyncio
+
+import pytest
+
+from engine.async_llm import EngineDeadError
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+from serve_app.engine_deployment import SHUTDOWN_MESSAGE, EngineDeployment, _coalesce, merge_items, to_stream_item
+from serve_app.messages import Delta, EngineRequest, StreamItem
+
+
+def test_to_stream_item_is_compact():
+    out = RequestOutput("r", None, [1, 2, 3], [CompletionOutput(
+        1, "ab", [5, 6], logprobs=[{5: Logprob(-0.1, 1, "a")}, {6: Logprob(-0.2, 2, "b"), 7: Logprob(-0.05, 1, "c")}],
+        finish_reason="stop", stop_reason=2)], finished=True, num_cached_tokens=2)
+    item = to_stream_item(out)
+    assert item.num_prompt_tokens == 3 and item.num_cached_tokens == 2 and item.finished
+    (d,) = item.deltas
+    assert (d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason) == (1, "ab", [5, 6], "stop", 2)
+    assert d.logprobs == [[(5, -0.1, 1, "a")], [(6, -0.2, 2, "b"), (7, -0.05, 1, "c")]]
+
+
+def test_merge_items_concatenates_per_completion():
+    a = StreamItem([Delta(0, "a", [1], logprobs=[[(1, -1.0, 1, "a")]]), Delta(1, "x", [9])], num_prompt_tokens=3)
+    b = StreamItem([Delta(0, "b", [2], logprobs=[[(2, -2.0, 1, "b")]], finish_reason="length")],
+                   num_prompt_tokens=3, finished=True)
+    m = merge_items([a, b])
+    d0, d1 = sorted(m.deltas, key=lambda d: d.index)
+    assert (d0.text, d0.token_ids, d0.finish_reason) == ("ab", [1, 2], "length")
+    assert [e[0][0] for e in d0.logprobs] == [1, 2]
+    assert (d1.text, d1.token_ids) == ("x", [9])
+    assert m.finished and m.num_prompt_tokens == 3
+    assert a.deltas[0].text == "a"  # inputs untouched
+
+
+def test_coalesce_merges_what_piles_up():
+    async def source():
+        for i in range(5):  # produced all at once, faster than the reader
+            yield StreamItem([Delta(0, str(i), [i])], finished=i == 4)
+
+    async def run():
+        out = []
+        async for item in _coalesce(source()):
+            out.append(item)
+            await asyncio.sleep(0.01)  # a slow sender
+        return out
+    out = asyncio.run(run())
+    assert "".join(d.text for item in out for d in item.deltas) == "01234"
+    assert len(out) < 5 and out[-1].finished
+
+
+def test_coalesce_closing_early_closes_the_source():
+    closed = asyncio.Event()
+
+    async def endless():
+        try:
+            i = 0
+            while True:
+                await asyncio.sleep(0.001)
+                i += 1
+                yield StreamItem([Delta(0, "x", [i])])
+        finally:
+            closed.set()  # in the engine, this is where the request is aborted
+
+    async def run():
+        stream = _coalesce(endless())
+        await stream.__anext__()
+        await stream.aclose()  # what Serve does when the caller is cancelled
+        return closed.is_set()
+    assert asyncio.run(run())
+
+
+# -- the deployment class itself, around a fake engine (no Ray, no model) ----------------------
+
+class FakeLLM:
+    def __init__(self, outputs=(), error=None, dead=False):
+        self.outputs, self.error, self.dead = list(outputs), error, dead
+        self.shutdowns = 0
+
+    async def generate(self, prompt, params, request_id):
+        if self.error:
+            raise self.error
+        for out in self.outputs:
+            yield out
+
+    def get_stats(self):
+        return {"num_requests_running": 0}
+
+    async def check_health(self):
+        if self.dead:
+            raise EngineDeadError("the engine loop died: boom")
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+def _deployment(llm) -> EngineDeployment:
+    dep = object.__new__(EngineDeployment.func_or_class)
+    dep.llm, dep._shutting_down, dep._replica = llm, False, "test"
+    return dep
+
+
+def _run(dep, request=None):
+    request = request or EngineRequest("r", [1, 2], SamplingParams(max_tokens=2))
+
+    async def run():
+        return [item async for item in dep.generate(request)]
+    return asyncio.run(run())
+
+
+def _output(text, finish=None, finished=False):
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [3], finish_reason=finish)], finished=finished)
+
+
+def test_generate_streams_and_ends_with_stats():
+    items = _run(_deployment(FakeLLM([_output("a"), _output("b", "length", True)])))
+    assert "".join(d.text for i in items for d in i.deltas) == "ab"
+    assert items[-1].finished and items[-1].stats["replica"] == "test" and items[-1].error is None
+
+
+def test_invalid_request_becomes_an_error_item():
+    (item,) = _run(_deployment(FakeLLM(error=ValueError("token id 9999 is out of vocabulary (vocab_size=10)"))))
+    assert item.finished and item.error.kind == "invalid_request" and "9999" in item.error.message
+
+
+def test_engine_side_abort_says_shutting_down():
+    items = _run(_deployment(FakeLLM([_output("a"), _output("", "abort", True)])))
+    assert items[-1].error.kind == "unavailable" and items[-1].error.message == SHUTDOWN_MESSAGE
+
+
+def test_check_health_fails_when_the_loop_died():
+    asyncio.run(_deployment(FakeLLM()).check_health())
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_deployment(FakeLLM(dead=True)).check_health())
+
+
+def test_shutdown_aborts_once():
+    llm = FakeLLM()
+    dep = _deployment(llm)
+    dep.__del__()
+    dep.__del__()
+    assert llm.shutdowns == 1

@@ -1,0 +1,90 @@
+"""Engine deltas -> OpenAI bodies and chunks (no Ray): choice numbering, logprobs formats, usage, echo."""
+from serve_app.messages import Delta, StreamItem
+from serve_app.responses import ChatBuilder, CompletionBuilder
+
+# (token_id, logprob, rank, text): the sampled token first, then the top-k
+LP_A = [(5, -0.1, 1, "a"), (6, -2.0, 2, "b")]
+LP_B = [(7, -3.0, 3, "c"), (5, -0.5, 1, "a"), (6, -1.0, 2, "b")]
+
+
+def _item(*deltas, prompt=4, finished=False):
+    return StreamItem(deltas=list(deltas), num_prompt_tokens=prompt, finished=finished)
+
+
+def test_completion_body_numbers_choices_per_prompt_and_counts_usage():
+    b = CompletionBuilder("cmpl-1", "m", n=2, num_prompts=2, logprobs=None)
+    b.add(0, _item(Delta(0, "he", [1]), Delta(1, "x", [2]), prompt=3))
+    b.add(1, _item(Delta(1, "yz", [3, 4], finish_reason="length"), prompt=5))
+    b.add(0, _item(Delta(0, "llo", [5], finish_reason="stop", stop_reason="!"), prompt=3, finished=True))
+    body = b.final()
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-1"
+    texts = {c["index"]: c["text"] for c in body["choices"]}
+    assert texts == {0: "hello", 1: "x", 2: "", 3: "yz"}
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == "!"
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
+
+
+def test_completion_legacy_logprobs_with_offsets():
+    b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=2)
+    b.add(0, _item(Delta(0, "a", [5], logprobs=[LP_A])))
+    b.add(0, _item(Delta(0, "c", [7], logprobs=[LP_B], finish_reason="length")))
+    lp = b.final()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a", "c"]
+    assert lp["token_logprobs"] == [-0.1, -3.0]
+    assert lp["top_logprobs"][1] == {"c": -3.0, "a": -0.5, "b": -1.0}  # top-k plus the sampled one
+    assert lp["text_offset"] == [0, 1]
+
+
+def test_completion_echo_prefixes_prompt_and_offsets():
+    b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None, echo_texts=["Say: "])
+    b.add(0, _item(Delta(0, "hi", [1], finish_reason="length")))
+    assert b.final()["choices"][0]["text"] == "Say: hi"
+    s = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=1, echo_texts=["Say: "])
+    chunks = s.add(0, _item(Delta(0, "a", [5], logprobs=[LP_A])), stream=True)
+    assert chunks[0]["choices"][0]["text"] == "Say: a"
+    assert chunks[0]["choices"][0]["logprobs"]["text_offset"] == [5]
+
+
+def test_completion_stream_chunks_skip_empty_and_carry_finish():
+    b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None)
+    assert b.add(0, _item(Delta(0, "", [9])), stream=True) == []  # incomplete UTF-8: nothing to say yet
+    (chunk,) = b.add(0, _item(Delta(0, "é", [10], finish_reason="stop")), stream=True)
+    assert chunk["choices"][0] == {"index": 0, "text": "é", "logprobs": None, "finish_reason": "stop",
+                                   "stop_reason": None}
+    assert "usage" not in chunk
+
+
+def test_chat_stream_role_first_then_content_then_finish_and_usage_chunk():
+    b = ChatBuilder("chatcmpl-1", "m", n=1, num_prompts=1, logprobs=None, include_usage=True)
+    chunks = b.add(0, _item(Delta(0, "Hi", [1])), stream=True)
+    chunks += b.add(0, _item(Delta(0, "", [2], finish_reason="stop"), finished=True), stream=True)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hi"}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    usage = b.usage_chunk()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+
+
+def test_chat_logprobs_top_k_by_rank():
+    b = ChatBuilder("x", "m", n=1, num_prompts=1, logprobs=2)
+    b.add(0, _item(Delta(0, "c", [7], logprobs=[LP_B], finish_reason="length")))
+    (tok,) = b.final()["choices"][0]["logprobs"]["content"]
+    assert tok["token"] == "c" and tok["logprob"] == -3.0 and tok["bytes"] == [99]
+    assert [t["token"] for t in tok["top_logprobs"]] == ["a", "b"]  # the sampled one (rank 3) is not in the top 2
+
+
+def test_chat_body():
+    b = ChatBuilder("x", "m", n=2, num_prompts=1, logprobs=None)
+    b.add(0, _item(Delta(0, "A", [1], finish_reason="stop"), Delta(1, "B", [2, 3], finish_reason="length")))
+    body = b.final()
+    assert body["object"] == "chat.completion"
+    assert [c["message"] for c in body["choices"]] == [{"role": "assistant", "content": "A"},
+                                                       {"role": "assistant", "content": "B"}]
+    assert body["usage"]["completion_tokens"] == 3 and body["usage"]["prompt_tokens"] == 4
+
+
+def test_logprob_minus_infinity_is_json_safe():
+    b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=0)
+    b.add(0, _item(Delta(0, "a", [5], logprobs=[[(5, float("-inf"), 900, "a")]])))
+    assert b.final()["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0]

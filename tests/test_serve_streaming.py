@@ -1,0 +1,81 @@
+"""SSE framing and the status-then-stream logic of Generation (no Ray)."""
+import asyncio
+import json
+
+import pytest
+
+from serve_app.errors import OpenAIError
+from serve_app.messages import Delta, StreamError, StreamItem
+from serve_app.metrics import ServeMetrics
+from serve_app.responses import ChatBuilder, CompletionBuilder
+from serve_app.streaming import SSE_DONE, Generation, sse, sse_error
+
+
+async def _items(*items):
+    for i, item in enumerate(items):
+        await asyncio.sleep(0)
+        yield 0, item
+
+
+def _gen(items, builder=None):
+    builder = builder or CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None)
+    return Generation(_items(*items), builder, ServeMetrics("t", "m").request(), retry_after_s=2)
+
+
+def _collect(agen):
+    async def run():
+        return [e async for e in agen]
+    return asyncio.run(run())
+
+
+def test_sse_framing():
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+    assert json.loads(sse_error(OpenAIError(400, "bad", param="x"))[6:])["error"]["param"] == "x"
+
+
+def test_error_in_first_item_is_a_status():
+    gen = _gen([StreamItem(finished=True, error=StreamError("invalid_request", "max_tokens=9 is too large"))])
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(gen.first())
+    assert info.value.status_code == 400 and info.value.param == "max_tokens"
+    gen = _gen([StreamItem(finished=True, error=StreamError("unavailable", "engine gone"))])
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(gen.first())
+    assert info.value.status_code == 503 and info.value.headers["Retry-After"] == "2"
+
+
+def test_mid_stream_error_is_an_event_then_done():
+    gen = _gen([StreamItem(deltas=[Delta(0, "a", [1])]),
+                StreamItem(finished=True, error=StreamError("unavailable", "shutting down"))])
+
+    async def run():
+        await gen.first()
+        return [e async for e in gen.sse()]
+    events = asyncio.run(run())
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "a"
+    assert json.loads(events[1][6:])["error"]["message"] == "shutting down"
+    assert events[-1] == SSE_DONE and len(events) == 3
+
+
+def test_stream_with_usage_ends_with_usage_then_done():
+    builder = ChatBuilder("x", "m", n=1, num_prompts=1, logprobs=None, include_usage=True)
+    gen = _gen([StreamItem(deltas=[Delta(0, "a", [1], finish_reason="length")], num_prompt_tokens=3,
+                           finished=True)], builder)
+
+    async def run():
+        await gen.first()
+        return [e async for e in gen.sse()]
+    events = asyncio.run(run())
+    assert events[-1] == SSE_DONE
+    assert json.loads(events[-2][6:])["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+def test_body_collects_everything():
+    gen = _gen([StreamItem(deltas=[Delta(0, "a", [1])]),
+                StreamItem(deltas=[Delta(0, "b", [2], finish_reason="stop")], finished=True)])
+
+    async def run():
+        await gen.first()
+        return await gen.body()
+    assert asyncio.run(run())["choices"][0]["text"] == "ab"
