@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EngineConfig
+from serve_app.guardrail_policy import GuardrailPolicy
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -81,7 +82,7 @@ class AppArgs(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0.0)
 
-    # -- the Guardrails deployment (JSON requests): its policy, passed through as is --
+    # -- the Guardrails deployment (JSON requests): its policy (serve_app.guardrail_policy) --
     guardrails: dict[str, Any] = Field(default_factory=dict)
 
     # -- the HTTP surface --
@@ -100,6 +101,10 @@ class AppArgs(BaseModel):
             raise ValueError(f"metrics_prefix={self.metrics_prefix!r} is not a valid Prometheus name prefix")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        try:
+            GuardrailPolicy.from_args(self.guardrails)  # a bad regex or limit fails here, at start
+        except ValueError as e:
+            raise ValueError(f"guardrails: {e}") from None
         return self
 
     # -- derived values ------------------------------------------------------------

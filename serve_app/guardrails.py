@@ -1,15 +1,18 @@
 """Guardrails: the deployment in the path of JSON (`response_format`) requests.
 
-    Ingress --EngineRequest--> Guardrails.generate --> guard.run(request, engine) --> EngineDeployment
+    Ingress --EngineRequest--> Guardrails.generate --> JsonGuard.run --attempt 0, 1, ...--> EngineDeployment
+            <--StreamItems (validated; the last one may be a 422 error)--
 
-For now the policy passes the engine's stream through unchanged (the engine's
-grammar-constrained decoding already makes the output valid JSON). The seam for the
-real checks (validate the finished text against the request's schema and the
-server's policy, retry, or fail with a clear error) is the guard's `run`: it gets
-the request and the engine handle, calls the engine, and streams items back.
+The engine's grammar-constrained decoding makes valid JSON the normal case; the guard makes
+it a guarantee: every finished completion is parsed and validated against the request's whole
+schema and the server's policy (serve_app.guardrail_policy), failing completions are generated
+again, and what still fails ends the request with a 422 `guardrail_violation`. The decisions
+(retry what, pass on what, when) live in serve_app.guardrail_session, without Ray; here is only
+the engine I/O. Contract, knobs and metrics: docs/guardrails.md.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator
@@ -18,26 +21,64 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.client import stream_from
+from serve_app.guardrail_policy import GuardrailPolicy
+from serve_app.guardrail_session import GuardedRequest
 from serve_app.messages import EngineRequest, StreamItem
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
+# Longer documents are parsed and validated on a worker thread, so that the checks of a large
+# document (up to max_output_bytes) do not stall the other streams of this replica.
+_INLINE_CHECK_CHARS = 65_536
 
-class PassThroughGuard:
-    """Pass-through: every item of the engine's stream, as is. A real guard has the same `run`."""
+
+class JsonGuard:
+    """Runs a request's attempts against the engine under one policy."""
+
+    def __init__(self, policy: GuardrailPolicy):
+        self.policy = policy
 
     async def run(self, request: EngineRequest, engine: DeploymentHandle) -> AsyncIterator[StreamItem]:
-        async with contextlib.aclosing(stream_from(engine, request)) as items:
-            async for item in items:
-                yield item
+        if request.sampling_params.structured_outputs is None:  # no JSON contract: nothing to check
+            async with contextlib.aclosing(stream_from(engine, request)) as items:
+                async for item in items:
+                    yield item
+            return
+        guarded = GuardedRequest(request, self.policy)
+        while (attempt := guarded.next_attempt()) is not None:
+            # aclosing: leaving early (a rejection, or the caller gone) cancels the engine request.
+            async with contextlib.aclosing(stream_from(engine, attempt)) as items:
+                async for item in items:
+                    if guarded.finishes_large(item, _INLINE_CHECK_CHARS):  # parse + validate off the loop
+                        out = await asyncio.to_thread(guarded.feed, item)
+                    else:
+                        out = guarded.feed(item)
+                    if out is not None:
+                        yield out
+                    if guarded.done:
+                        return
 
 
 @serve.deployment(name="Guardrails")
 class Guardrails:
     def __init__(self, engine: DeploymentHandle, policy: dict[str, Any] | None = None):
         self.engine = engine
-        self.policy = dict(policy or {})  # the `guardrails` app arg, for the real guard
-        self.guard = PassThroughGuard()
+        self.guard = JsonGuard(GuardrailPolicy.from_args(policy))  # the `guardrails` app arg
+
+    @property
+    def policy(self) -> GuardrailPolicy:
+        return self.guard.policy
+
+    def reconfigure(self, config: dict[str, Any] | None) -> None:
+        """user_config (deployments[Guardrails].user_config): a new policy, live, for the requests
+        that start after it; it replaces the `guardrails` app arg as a whole."""
+        try:
+            policy = GuardrailPolicy.from_args(config)
+        except ValueError as e:
+            raise ValueError(f"invalid Guardrails user_config: {e}") from None
+        self.guard = JsonGuard(policy)
+        logger.info("guardrail policy: max_output_bytes=%d max_depth=%d max_retries=%d redact_patterns=%d",
+                    policy.max_output_bytes, policy.max_depth, policy.max_retries, len(policy.redact_patterns))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
         # Same interface as EngineDeployment.generate, so the Ingress treats both alike.

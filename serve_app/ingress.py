@@ -98,7 +98,7 @@ class Ingress:
                     for t, ids in zip(prepared.prompt_texts, prepared.prompt_token_ids)] if req.echo else None
             builder = CompletionBuilder(request_id, req.model, req.n, len(prepared.prompt_token_ids), req.logprobs,
                                         req.include_usage, echo_texts=echo)
-            return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=False)
+            return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=req.json_mode)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -213,7 +213,7 @@ class Ingress:
                         stream: bool, json_mode: bool) -> Response:
         handle = self.guardrails if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
-                                  prepared.batch_id)
+                                  prepared.batch_id, stream=stream)
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([stream_from(handle, r) for r in requests])
         gen = Generation(items, builder, self.metrics.request(), self.args.retry_after_s)

@@ -24,6 +24,7 @@ class EngineRequest:
     prompt: str | None = None       # prompt text, when the client sent text (for logs and echo)
     json_mode: bool = False         # the request asked for JSON output (routes through Guardrails)
     batch_id: str | None = None     # the Ingress micro-batch it came in: one engine replica per batch
+    stream: bool = False            # the client streams: the guardrail passes tokens on as they come
 
 
 @dataclass
@@ -48,6 +49,8 @@ class StreamItem:
     finished: bool = False        # the last item of the request
     error: "StreamError | None" = None  # set on the last item when the request failed
     stats: dict | None = None     # the replica's engine stats, on the last item (for /metrics)
+    # (outcome, reason) of each guardrail validation of this request, on the last item (for /metrics)
+    guardrail_outcomes: list[tuple[str, str]] | None = None
 
 
 @dataclass
@@ -55,5 +58,7 @@ class StreamError:
     """Why an engine stream ended without finishing: maps to an HTTP status in the Ingress."""
 
     kind: str     # "invalid_request" (400) | "unavailable" (503: engine dead, shutting down, overloaded)
+                  # | "guardrail_violation" (422: the JSON output failed the guardrail)
     message: str  # shown to the client as is; never contains prompt text
-    param: str | None = None
+    param: str | None = None  # the request field it is about, when the message does not name it
+    code: str | None = None   # the error body's code (a guardrail violation's reason)

@@ -55,6 +55,10 @@ class ServeMetrics:
         self.generation_tokens = Counter(f"{prefix}_generation_tokens", "Generated tokens.", labels, registry=r)
         self.batch_size = Histogram(f"{prefix}_ingress_batch_size", "Requests per Ingress micro-batch.",
                                     labels, buckets=_BATCH_BUCKETS, registry=r)
+        self.guardrail = Counter(f"{prefix}_guardrail_outcomes",
+                                 "JSON guardrail validations of a completion: outcome passed|retried|rejected, "
+                                 "reason none|redacted or the violation (docs/guardrails.md).",
+                                 labels + ["outcome", "reason"], registry=r)
 
     def request(self) -> "RequestMetrics":
         return RequestMetrics(self)
@@ -64,6 +68,9 @@ class ServeMetrics:
 
     def count_status(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()
+
+    def count_guardrail(self, outcome: str, reason: str) -> None:
+        self.guardrail.labels(self.model_name, outcome, reason).inc()
 
     def observe_batch(self, size: int) -> None:
         self.batch_size.labels(self.model_name).observe(size)
@@ -94,6 +101,10 @@ class RequestMetrics:
 
     def engine_stats(self, stats: dict[str, Any]) -> None:
         self._m.engine_stats(stats)
+
+    def guardrail_outcomes(self, outcomes: list[tuple[str, str]]) -> None:
+        for outcome, reason in outcomes:
+            self._m.count_guardrail(outcome, reason)
 
     def ttft(self, seconds: float) -> None:
         self._m.ttft.labels(self._m.model_name).observe(seconds)

@@ -19,6 +19,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -44,6 +64,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # JSON output (grammar-constrained, then checked by the Guardrails deployment); vLLM also
+    # takes it on /v1/completions.
+    response_format: ResponseFormat | None = None
     # Accepted for compatibility only when they ask for nothing we do not do.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -77,6 +100,18 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def json_mode(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -118,6 +153,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+        if self.echo and self.json_mode:
+            raise ValueError("echo together with a JSON response_format is not supported (the text would not be JSON)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -128,7 +165,8 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, **self._sampling_kwargs())
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                              structured_outputs=self.structured_outputs(), **self._sampling_kwargs())
 
 
 def _is_token_id(t: Any) -> bool:
@@ -170,33 +208,12 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-    name: str = "response"
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
-            raise ValueError("response_format of type json_schema needs json_schema.schema")
-        return self
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Any] | None = None
@@ -213,18 +230,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
-
-    @property
-    def json_mode(self) -> bool:
-        return self.response_format is not None and self.response_format.type != "text"
-
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
     def to_sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

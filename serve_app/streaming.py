@@ -15,6 +15,7 @@ import time
 from typing import AsyncIterator
 
 from serve_app.errors import OpenAIError, from_value_error, internal_error, overloaded
+from serve_app.guardrail_policy import GuardrailError
 from serve_app.messages import StreamError, StreamItem
 from serve_app.metrics import RequestMetrics
 from serve_app.responses import ResponseBuilder
@@ -34,7 +35,12 @@ def sse_error(err: OpenAIError) -> str:
 
 def to_openai_error(err: StreamError, retry_after_s: int) -> OpenAIError:
     if err.kind == "invalid_request":
-        return from_value_error(ValueError(err.message))
+        error = from_value_error(ValueError(err.message))
+        error.param = error.param or err.param
+        return error
+    if err.kind == GuardrailError.TYPE:  # the JSON output failed the guardrail (message and code set there)
+        return OpenAIError(GuardrailError.STATUS, err.message, type=GuardrailError.TYPE, param=err.param,
+                           code=err.code)
     if err.kind in ("overloaded", "unavailable"):
         return overloaded(err.message, retry_after_s)
     return internal_error(err.message)
@@ -59,6 +65,8 @@ class Generation:
             self._first = await self.items.__anext__()
         except StopAsyncIteration:
             raise internal_error("The engine returned no output.") from None
+        if self._first[1].error is not None:
+            self._observe(self._first[1])  # its guardrail outcomes count too
         self._raise_if_error(self._first[1])
 
     def _raise_if_error(self, item: StreamItem) -> None:
@@ -68,6 +76,8 @@ class Generation:
     def _observe(self, item: StreamItem) -> None:
         if item.stats is not None:
             self.metrics.engine_stats(item.stats)
+        if item.guardrail_outcomes:
+            self.metrics.guardrail_outcomes(item.guardrail_outcomes)
         if not self._first_token_seen and any(d.token_ids for d in item.deltas):
             self._first_token_seen = True
             self.metrics.ttft(time.monotonic() - self.start)

@@ -7,6 +7,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import build_app, engine_options, ingress_options
 from serve_app.args import parse_app_args
+from serve_app.guardrail_policy import GuardrailPolicy
 from serve_app.placement import engine_placement
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
@@ -23,6 +24,9 @@ CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
     ({"model": "m", "metrics_prefix": "bad-name"}, "metrics_prefix"),
     ({"model": "m", "max_num_seqs": "many"}, "max_num_seqs"),
     ({"model": "m", "no_such_arg": 1}, "no_such_arg"),
+    ({"model": "m", "guardrails": {"redact_patterns": ["(x"]}}, r"guardrails: redact_patterns\[0\]='\(x' is not"),
+    ({"model": "m", "guardrails": {"max_retries": -1}}, "guardrails: max_retries=-1"),
+    ({"model": "m", "guardrails": {"max_retry": 1}}, "guardrails: unknown guardrail setting"),
     ({}, "model"),
 ])
 def test_bad_args_fail_naming_them(args, named):
@@ -76,6 +80,7 @@ def test_deploy_config_is_a_valid_serve_config():
     assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8000
     assert app.args["model"] == "models/tiny-llama"
     parse_app_args(app.args)  # the args themselves are valid
+    assert GuardrailPolicy.from_args(app.args["guardrails"]) == GuardrailPolicy()  # the defaults, spelled out
     ingress = next(d for d in app.deployments if d.name == "Ingress")
     from serve_app.args import BatchingConfig
     BatchingConfig.model_validate(ingress.user_config)

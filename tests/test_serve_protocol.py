@@ -122,3 +122,10 @@ def test_response_format():
     assert _error(ChatCompletionRequest, {**base, "response_format": {"type": "json_schema"}}).param \
         == "response_format"
     assert _error(ChatCompletionRequest, {**base, "response_format": {"type": "xml"}}).param == "response_format.type"
+
+
+def test_completions_take_response_format_too():
+    base = {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}
+    req = _parse(CompletionRequest, base)
+    assert req.json_mode and req.to_sampling_params().structured_outputs == StructuredOutputsParams(json_object=True)
+    assert _error(CompletionRequest, {**base, "echo": True}).param == "echo"  # the text would not be JSON

@@ -79,3 +79,28 @@ def test_body_collects_everything():
         await gen.first()
         return await gen.body()
     assert asyncio.run(run())["choices"][0]["text"] == "ab"
+
+
+def test_guardrail_violation_is_a_422_and_its_outcomes_are_counted():
+    metrics = ServeMetrics("t", "m")
+    err = StreamError("guardrail_violation", "The output violated ...", param="response_format", code="max_depth")
+    outcomes = [("retried", "max_depth"), ("rejected", "max_depth")]
+    item = StreamItem(finished=True, error=err, guardrail_outcomes=outcomes)
+    gen = Generation(_items(item), CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None), metrics.request(),
+                     retry_after_s=2)
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(gen.first())
+    assert info.value.status_code == 422
+    assert info.value.body()["error"] == {"message": "The output violated ...", "type": "guardrail_violation",
+                                          "param": "response_format", "code": "max_depth"}
+    text = metrics.render().decode()
+    assert 't_guardrail_outcomes_total{model_name="m",outcome="retried",reason="max_depth"} 1.0' in text
+    assert 't_guardrail_outcomes_total{model_name="m",outcome="rejected",reason="max_depth"} 1.0' in text
+
+
+def test_invalid_request_keeps_the_param_the_stream_error_names():
+    gen = _gen([StreamItem(finished=True, error=StreamError("invalid_request", "'contains' (at #) is not supported",
+                                                            param="response_format"))])
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(gen.first())
+    assert info.value.status_code == 400 and info.value.param == "response_format"
