@@ -15,6 +15,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp_size
 from engine.forward_context import AttentionMetadata, set_forward_context
 from engine.layers.attention import Attention
+from engine.layers.cpu_gemm import pack_module_weight
+from engine.layers.embed_head import ParallelLMHead
+from engine.layers.linear import LinearBase
 from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.outputs import ModelInput, ModelRunnerOutput, SchedulerOutput
@@ -78,6 +81,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(prev_dtype)
         load_weights(model, model_path)
+        if self.device.type == "cpu":
+            _pack_weights_for_cpu(model)
         return model.eval()
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -217,6 +222,20 @@ class ModelRunner:
 
     def free_seq(self, seq_id: int) -> None:
         self.sampler.free(seq_id)
+
+
+def _pack_weights_for_cpu(model: torch.nn.Module) -> None:
+    """CPU fp32, after loading: every linear weight packed once for oneDNN
+    (engine.layers.cpu_gemm). A weight two modules share (a tied LM head is also the
+    embedding table, read by rows) stays dense."""
+    uses: dict[int, int] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor):
+            uses[id(w)] = uses.get(id(w), 0) + 1
+    for m in model.modules():
+        if isinstance(m, (LinearBase, ParallelLMHead)) and uses[id(m.weight)] == 1:
+            pack_module_weight(m)
 
 
 def _cumsum0(values: list[int]) -> list[int]:

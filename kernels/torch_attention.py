@@ -45,7 +45,9 @@ def _gather_kv(k_cache, v_cache, ids):
         return k_cache.index_select(0, ids), v_cache.index_select(0, ids), None
     shape = (ids.shape[0],) + tuple(k_cache.shape[1:])
     numel = shape[0] * k_cache[0].numel()
-    key = (k_cache.dtype, k_cache.device)
+    # Inference tensors can't be written outside inference mode (and vice versa), so each
+    # mode keeps its own buffers: a buffer from an engine step must not reach a plain call.
+    key = (k_cache.dtype, k_cache.device, torch.is_inference_mode_enabled())
     bufs = _WORKSPACE.pop(key, None)
     if bufs is None or bufs[0].numel() < numel:
         bufs = tuple(torch.empty(numel, dtype=k_cache.dtype) for _ in range(2))
@@ -135,37 +137,59 @@ def _decode_all(query, k_cache, v_cache, block_tables, seq_lens, seqs, starts, s
                        scale, out)
 
 
-def _prefill_one(query, k_cache, v_cache, block_row, start, q_len, seq_len, scale, out):
+def _sdpa_prefill(q, k, v, causal_mask, scale):
+    """q [1, num_heads, q_len, D], k/v [1, kv_heads, seq_len, D] -> [1, num_heads, q_len, D].
+
+    causal_mask None: top-left aligned causal (q_len == seq_len), else a bool [q_len, seq_len].
+    """
+    num_heads, kv_heads = q.shape[1], k.shape[1]
+    if not _SDPA_HAS_GQA and num_heads != kv_heads:
+        k = k.repeat_interleave(num_heads // kv_heads, dim=1)  # [1, num_heads, seq_len, D]
+        v = v.repeat_interleave(num_heads // kv_heads, dim=1)
+    gqa = {"enable_gqa": True} if _SDPA_HAS_GQA and num_heads != kv_heads else {}
+    if causal_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask[None, None], scale=scale,
+                                          **gqa)
+
+
+def prefill_fresh(query, key, value, start, q_len, scale, out):
+    """A chunk with no cached prefix (q_len == seq_len): causal SDPA on its own new K/V rows.
+
+    query/out [num_tokens, num_heads, D], key/value [num_tokens, kv_heads, D]: rows
+    start .. start + q_len. No cache read at all.
+    """
+    rows = slice(start, start + q_len)
+    q = query[rows].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
+    k = key[rows].transpose(0, 1)[None]  # [1, kv_heads, q_len, D]
+    v = value[rows].transpose(0, 1)[None]
+    o = _sdpa_prefill(q, k, v, None, scale)
+    out[rows] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, num_heads, D]
+
+
+def prefill_cached(query, k_cache, v_cache, block_row, start, q_len, seq_len, scale, out):
     """One SDPA call for a chunk of q_len > 1 rows whose keys are 0..seq_len-1."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    num_heads = query.shape[1]
     ids = block_row[:_cdiv(seq_len, block_size)]  # [num_blocks]
     # [num_blocks, block_size, kv_heads, D] -> [1, kv_heads, seq_len, D]
     k, v, token = _gather_kv(k_cache, v_cache, ids)
     k = k.view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
     v = v.view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
-    if not _SDPA_HAS_GQA and num_heads != kv_heads:
-        k = k.repeat_interleave(num_heads // kv_heads, dim=1)  # [1, num_heads, seq_len, D]
-        v = v.repeat_interleave(num_heads // kv_heads, dim=1)
-    gqa = {"enable_gqa": True} if _SDPA_HAS_GQA else {}
     q = query[start:start + q_len].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
-    if q_len == seq_len:
-        # No cached prefix: SDPA's own (top-left aligned) causal mask is exact.
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
-    else:
+    mask = None
+    if q_len != seq_len:
         # Row i sits at absolute position seq_len - q_len + i (bottom-right aligned).
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
         k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None], scale=scale,
-                                           **gqa)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    o = _sdpa_prefill(q, k, v, mask, scale)
     _release(token)
     out[start:start + q_len] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, num_heads, D]
 
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, softmax_scale, out=None, *, seq_lens_cpu=None,
-                          query_lens_cpu=None):
+                          query_lens_cpu=None, key=None, value=None):
     """Pure-torch paged attention; same contract as kernels.paged_attention.
 
     query:        [num_tokens, num_heads, head_dim]
@@ -174,6 +198,8 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_se
     cu_seqlens_q: [num_seqs + 1]
     seq_lens_cpu, query_lens_cpu: optional python lists (len num_seqs) equal to
         seq_lens and diff(cu_seqlens_q); passing them avoids device->host reads.
+    key, value:   optional [num_tokens, num_kv_heads, head_dim], this step's new K/V rows
+        (already stored): a chunk with no cached prefix then attends over them directly.
     """
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, softmax_scale, out)
@@ -194,8 +220,10 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_se
         _decode_all(query, k_cache, v_cache, block_tables, seq_lens, decode, starts, seq_l,
                     scale, out)
     for s, q_len in enumerate(q_l):
-        if q_len > 1:
-            _prefill_one(query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_l[s],
+        if q_len > 1 and key is not None and q_len == seq_l[s]:
+            prefill_fresh(query, key, value, starts[s], q_len, scale, out)
+        elif q_len > 1:
+            prefill_cached(query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_l[s],
                          scale, out)
     return out
 

@@ -15,13 +15,18 @@ BACKENDS = ("torch", "triton")
 
 
 def _load_backend(backend: str):
-    """(store_kv, paged_attention, wants_host_lists) for a backend name."""
+    """(store_kv, paged_attention, is_cpu_path) for a backend name.
+
+    The "torch" backend is the CPU path: the fused C kernel for fp32 CPU tensors,
+    pure torch otherwise (kernels.cpu_attention decides per call). It takes host
+    copies of the lengths and this step's K/V rows, so fresh prefills skip the cache.
+    """
     if backend == "triton":
         from kernels import paged_attention, store_kv
         return store_kv, paged_attention, False
     if backend == "torch":
-        from kernels.torch_attention import paged_attention_torch, store_kv_torch
-        return store_kv_torch, paged_attention_torch, True
+        from kernels.cpu_attention import paged_attention_cpu, store_kv_cpu
+        return store_kv_cpu, paged_attention_cpu, True
     raise ValueError(f"attention backend {backend!r} is not supported; choose one of {BACKENDS}")
 
 
@@ -33,7 +38,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
-        self._store_kv, self._paged_attention, self._wants_host_lists = _load_backend(backend)
+        self._store_kv, self._paged_attention, self._cpu_path = _load_backend(backend)
         # Plain attributes, not buffers: the runner owns the cache memory and the
         # model's state_dict / .to() must not copy it.
         self.k_cache = torch.empty(0)
@@ -54,8 +59,8 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         self._store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         extra = {}
-        if self._wants_host_lists:
-            extra = dict(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu)
+        if self._cpu_path:
+            extra = dict(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu, key=k, value=v)
         o = self._paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens,
                                   md.cu_seqlens_q, md.max_seqlen_q, self.scale, **extra)
         return o.view(n, self.num_heads * self.head_dim)  # [n, num_heads, head_dim] flattened

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.distributed import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                 tensor_model_parallel_all_reduce)
+from engine.layers.cpu_gemm import packed_linear
 from engine.layers.linear import copy_weight
 
 
@@ -51,9 +52,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary. Tie it to the embedding by
     assigning `lm_head.weight = embed_tokens.weight` (same shard layout)."""
 
+    # CPU fp32, untied: the weight packed for oneDNN after loading (engine.layers.cpu_gemm).
+    packed_weight: torch.Tensor | None = None
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [n, hidden] -> [n, shard_size] -> all_gather -> [n, shard_size * tp_size] -> [n, vocab]
-        logits = F.linear(hidden_states, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden_states, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         logits = tensor_model_parallel_all_gather(logits, dim=-1)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -24,7 +26,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., hidden]. Without `residual`: returns norm(x). With it: the sum
         s = x + residual becomes the next residual and (norm(s), s) is returned.
-        The add is done in place into `x`, so `x` must be a fresh activation the caller drops."""
+        Both inputs are overwritten (x, residual: fresh activations the caller drops); on
+        CPU fp32 one fused C pass (kernels.cpu_ops) does the add and the norm."""
+        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused if residual is None else (fused, residual)
         if residual is None:
             return self._norm(x)
         x = x.add_(residual)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine.layers.cpu_gemm import packed_linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -43,12 +44,20 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # CPU fp32 after loading: the weight packed for oneDNN (engine.layers.cpu_gemm), and
+        # `weight` emptied; None means F.linear on `weight`.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -142,5 +151,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias: the all_reduce sums it otherwise tp_size times.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y)

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import cpu_ops
+
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     # [head_dim / 2], float32 as HF computes it
@@ -57,6 +59,11 @@ class RotaryEmbedding(nn.Module):
         Rotates in place (both may be strided views into the fused qkv output) and returns them.
         Passing q and k heads as one [n, num_heads + num_kv_heads, head_dim] view as `query`
         rotates both in one pass."""
+        tensors = [query] if key is None else [query, key]
+        if all(cpu_ops.rotary_applies(t, positions, self.cos_sin_cache) for t in tensors):
+            for t in tensors:  # CPU fp32: one fused C pass per tensor
+                cpu_ops.rotary_neox_(t, positions, self.cos_sin_cache)
+            return query, key
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # [n, 1, d/2]
         _rotate_neox_(query, cos, sin)
         if key is not None:

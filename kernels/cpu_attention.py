@@ -1,0 +1,165 @@
+"""The engine's CPU attention: a fused C kernel over the paged cache, SDPA for long chunks.
+
+Same contract as kernels.paged_attention, plus optional `key`/`value` (this
+step's new K/V rows). Dispatch:
+
+- fp32 CPU tensors and the kernel built (kernels/cpu_paged_attention.c, see
+  kernels.cpu_build): decode rows and chunks of up to KERNEL_MAX_Q_LEN rows run
+  in the C kernel, which reads K/V straight from the cache blocks (no gather
+  copy, no padding, online softmax). A chunk with no cached prefix (q_len ==
+  seq_len) runs as one SDPA on `key`/`value` when they are given (it needs no
+  cache at all), and a longer chunk with a prefix as one SDPA over K/V gathered
+  from its blocks.
+- anything else (other dtypes or devices, RAYLLM_DISABLE_CPU_KERNEL=1, no
+  compiler): kernels.torch_attention.paged_attention_torch.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels._validate import check_paged_attention
+from kernels.cpu_build import load_kernel_library
+from kernels import cpu_ops
+from kernels._validate import check_store_kv
+from kernels.torch_attention import (paged_attention_torch, prefill_cached, prefill_fresh,
+                                     store_kv_torch)
+
+_LIB_NAME = "cpu_paged_attention"
+# Chunks with more query rows run as SDPA instead: there a matmul beats the kernel's
+# per-row loop (one kernel call, 8 heads, 4 kv heads, D 64, 2-core AVX-512 host:
+# q_len 16 over 216 keys 0.5 ms vs SDPA 0.9 ms; q_len 100 over 250 keys 2.8 ms vs 2.2 ms).
+KERNEL_MAX_Q_LEN = 32
+# Return codes of rayllm_paged_attention_f32 (cpu_paged_attention.c).
+_ERRORS = {
+    1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
+       "(max_blocks * block_size)",
+    2: "block_tables holds a block id outside the cache",
+    4: "cu_seqlens_q must start at 0, never decrease and end at num_tokens",
+}
+_ERR_NO_MEMORY = 3
+
+
+class _Args(ctypes.Structure):
+    """Mirror of `Args` in cpu_paged_attention.c (field order and types must match)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("query", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "out")] + \
+               [(name, ctypes.c_int64) for name in
+                ("q_stride_tok", "q_stride_head", "o_stride_tok", "o_stride_head", "bt_stride",
+                 "num_tokens", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
+                 "num_blocks", "max_blocks")] + \
+               [("scale", ctypes.c_float), ("max_q_len", ctypes.c_int64), ("skip_fresh", ctypes.c_int64)]
+
+
+def _kernel():
+    """The loaded C entry point, or None (disabled or unbuildable: the torch path runs)."""
+    lib = load_kernel_library(_LIB_NAME)
+    if lib is None:
+        return None
+    fn = lib.rayllm_paged_attention_f32
+    fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+    return fn
+
+
+def kernel_available() -> bool:
+    return _kernel() is not None
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.stride(-1) == 1 else t.to(torch.int32).contiguous()
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+               out, max_q_len: int, skip_fresh: bool) -> None:
+    """Call the C kernel for the sequences with at most max_q_len query rows (and, with
+    skip_fresh, a cached prefix or a single row).
+
+    Every tensor fp32/int32 on CPU with a unit last stride. query, out: [num_tokens,
+    num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    contiguous; block_tables [num_seqs, max_blocks]; rows of longer chunks are not written.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    args = _Args(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                 seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), out.data_ptr(),
+                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+                 query.shape[0], block_tables.shape[0], query.shape[1], num_kv_heads, head_dim,
+                 block_size, num_blocks, block_tables.shape[1], scale, max_q_len, int(skip_fresh))
+    err = fn(ctypes.byref(args))
+    if err == _ERR_NO_MEMORY:
+        raise MemoryError("cpu paged attention: scratch allocation failed")
+    if err:
+        raise ValueError(f"cpu paged attention: {_ERRORS.get(err, f'error {err}')}")
+
+
+def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
+                 query_lens_cpu, scale, out, key, value) -> None:
+    """The chunks the kernel skipped, one SDPA each: fresh ones (1 < q_len == seq_len) on
+    their own new K/V when given, longer ones with a cached prefix over their blocks."""
+    seq_l = list(seq_lens_cpu) if seq_lens_cpu is not None else seq_lens.tolist()
+    if query_lens_cpu is not None:
+        q_l = list(query_lens_cpu)
+    else:
+        cu = cu_seqlens_q.tolist()
+        q_l = [b - a for a, b in zip(cu, cu[1:])]
+    start = 0
+    for s, (q_len, seq_len) in enumerate(zip(q_l, seq_l)):
+        if key is not None and 1 < q_len == seq_len:
+            prefill_fresh(query, key, value, start, q_len, scale, out)
+        elif q_len > KERNEL_MAX_Q_LEN:
+            prefill_cached(query, k_cache, v_cache, block_tables[s], start, q_len, seq_len, scale, out)
+        start += q_len
+
+
+def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                        max_seqlen_q, softmax_scale, out=None, *, seq_lens_cpu=None,
+                        query_lens_cpu=None, key=None, value=None):
+    """Paged attention, C kernel where it applies; same contract as kernels.paged_attention.
+
+    query:        [num_tokens, num_heads, head_dim]
+    k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [num_seqs, max_blocks_per_seq];  seq_lens: [num_seqs]
+    cu_seqlens_q: [num_seqs + 1]
+    key, value:   optional [num_tokens, num_kv_heads, head_dim], the new rows already
+        stored in the cache; fresh prefill chunks then skip the cache entirely.
+    seq_lens_cpu, query_lens_cpu: optional host copies (see paged_attention_torch).
+    """
+    fn = _kernel() if query.device.type == "cpu" and query.dtype == torch.float32 else None
+    if fn is None:
+        return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                     max_seqlen_q, softmax_scale, out, seq_lens_cpu=seq_lens_cpu,
+                                     query_lens_cpu=query_lens_cpu, key=key, value=value)
+    check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                          max_seqlen_q, softmax_scale, out)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    if query.shape[0] == 0 or block_tables.shape[0] == 0:
+        return out
+    dst = out if out.stride(-1) == 1 else torch.empty(query.shape, dtype=query.dtype)
+    scale = float(softmax_scale)
+    skip_fresh = key is not None
+    run_kernel(fn, _unit_last_stride(query), k_cache, v_cache, _as_int32(block_tables),
+               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, skip_fresh)
+    if max_seqlen_q > (1 if skip_fresh else KERNEL_MAX_Q_LEN):
+        _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
+                     query_lens_cpu, scale, dst, key, value)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """kernels.store_kv's contract: a C row copy for fp32 CPU tensors, else store_kv_torch.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping:     [num_tokens]  (< 0 skips the row)
+    """
+    check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    if not cpu_ops.store_kv(key, value, k_cache, v_cache, slot_mapping):
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)

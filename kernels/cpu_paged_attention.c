@@ -1,0 +1,262 @@
+/* Fused paged attention for fp32 on CPU: reads K/V straight from the paged cache.
+ *
+ * Built at first use by kernels/cpu_build.py (cc -O3 -march=native -fopenmp) and
+ * called through ctypes from kernels/cpu_attention.py. No gather copy, no padding.
+ *
+ * Work item = (sequence, tile of up to ROWS_TILE query rows), every head: M =
+ * rows * num_heads query vectors, vector m = (h * nr + r) * G + g for kv head h,
+ * row r, query head h * G + g. The keys are walked TILE at a time with an online
+ * (flash-style) softmax across tiles and two passes inside one: scores for every
+ * vector, softmax, then P @ V. Both passes walk the tile block by block, and a
+ * block stores all kv heads of its tokens together ([block_size, kv_heads, D]), so
+ * K and V are each read once, front to back; the G query heads of a group reuse
+ * their kv head's rows from L1.
+ *
+ * Causality: query row i of a sequence with q_len new rows sits at position
+ * seq_len - q_len + i and sees keys 0 .. that position (bottom-right aligned).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_simd.h"
+
+#define ROWS_TILE 4 /* query rows per item: some K/V reuse for chunks with a prefix */
+#define TILE 128    /* keys per online-softmax step, a multiple of CHUNK */
+
+/* Error codes; the Python wrapper turns them into ValueError / MemoryError. */
+#define ERR_SEQ_LEN 1    /* q_len > seq_len or seq_len > max_blocks * block_size */
+#define ERR_BLOCK_ID 2   /* a block id the context needs is outside the cache */
+#define ERR_NO_MEMORY 3
+#define ERR_QUERY_ROWS 4 /* cu_seqlens_q does not cover rows 0 .. num_tokens in order */
+
+typedef struct {
+    const float *query;          /* [num_tokens, num_heads, head_dim], rows q_stride_tok apart */
+    const float *k_cache;        /* [num_blocks, block_size, num_kv_heads, head_dim], contiguous */
+    const float *v_cache;        /* same shape as k_cache */
+    const int32_t *block_tables; /* [num_seqs, max_blocks], rows bt_stride apart */
+    const int32_t *seq_lens;     /* [num_seqs] context length incl. the new rows */
+    const int32_t *cu_seqlens_q; /* [num_seqs + 1] query row offsets */
+    float *out;                  /* [num_tokens, num_heads, head_dim], rows o_stride_tok apart */
+    int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, bt_stride;
+    int64_t num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
+    float scale;
+    int64_t max_q_len; /* sequences with more query rows are skipped (the caller runs them) */
+    int64_t skip_fresh; /* nonzero: chunks without a cached prefix (1 < q_len == seq_len) too */
+} Args;
+
+/* One work item's query vectors and their online-softmax state (scratch of one thread). */
+typedef struct {
+    const Args *a;
+    const int32_t *table; /* [max_blocks] the sequence's block ids, checked in range */
+    int64_t M, Mh;        /* vectors in all, and per kv head (nr * G) */
+    float *q;             /* [M, D] pre-scaled queries */
+    float *acc;           /* [M, D] unnormalised outputs */
+    float *s;             /* [M, TILE] scores, then probabilities, of the current tile */
+    float *m_run, *l_run; /* [M] running max, running sum of exp */
+    int64_t *lim;         /* [M] keys 0 .. lim - 1 are visible (causal) */
+} Item;
+
+/* Offset (floats) of key t's row for kv head 0: row t % bs of block table[t / bs]. */
+INLINE int64_t key_offset(const Item *it, int64_t t) {
+    const int64_t bs = it->a->block_size;
+    return (it->table[t / bs] * bs + t % bs) * it->a->num_kv_heads * it->a->head_dim;
+}
+
+/* s[m, j] = q_m . k_{k0 + j} for the kn keys of the tile; -inf where m may not look. */
+INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D) {
+    const int64_t stride = it->a->num_kv_heads * D;
+    const int fast = it->a->block_size % CHUNK == 0 && D % CHUNK == 0;
+    for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
+        const float *kb = it->a->k_cache + key_offset(it, k0 + j);
+        for (int64_t m = 0; m < it->M; m++) {
+            const float *k = kb + m / it->Mh * D, *q = it->q + m * D;
+            float *s = it->s + m * TILE + j;
+            if (k0 + j >= it->lim[m]) {
+                STORE(s, splat(-INFINITY));
+            } else if (fast) {
+                STORE(s, dot_chunk(q, k, stride, D));
+            } else {
+                for (int64_t c = 0; c < CHUNK; c++)
+                    s[c] = j + c < kn ? dot(q, it->a->k_cache + key_offset(it, k0 + j + c) + m / it->Mh * D, D) : 0.0f;
+            }
+            for (int64_t c = 0; c < CHUNK; c++) /* past the causal limit or the tile */
+                if (k0 + j + c >= it->lim[m] || j + c >= kn) s[c] = -INFINITY;
+        }
+    }
+}
+
+/* Softmax of each vector's tile scores against its running max; rescales acc and l.
+ * Returns nothing; s holds probabilities afterwards (lanes past the limit unused). */
+INLINE void tile_softmax(const Item *it, int64_t k0, int64_t kn, int64_t D) {
+    for (int64_t m = 0; m < it->M; m++) {
+        const int64_t n = it->lim[m] - k0 < kn ? it->lim[m] - k0 : kn;
+        if (n <= 0) continue;
+        float *s = it->s + m * TILE;
+        vec mx = LOAD(s), sum = splat(0.0f);
+        for (int64_t j = CHUNK; j < n; j += CHUNK) mx = vmax(mx, LOAD(s + j));
+        const float m_new = hmax(mx) > it->m_run[m] ? hmax(mx) : it->m_run[m];
+        for (int64_t j = 0; j < n; j += CHUNK) {
+            const vec p = exp_nonpos(LOAD(s + j) - m_new);
+            STORE(s + j, p);
+            sum += p; /* lanes past n hold ~1e-38 (exp of -inf, clamped): negligible */
+        }
+        const float alpha = exp1(it->m_run[m] - m_new);
+        it->m_run[m] = m_new;
+        it->l_run[m] = it->l_run[m] * alpha + hsum(sum);
+        for (int64_t d = 0; d < D; d++) it->acc[m * D + d] *= alpha;
+    }
+}
+
+#define MAX_REG_CHUNKS 8 /* head_dim up to 128 keeps its accumulator in registers */
+
+/* acc += sum_{c < n} p[c] * v_c over D floats, v_c = vb + c * stride. With D a constant
+ * <= MAX_REG_CHUNKS * CHUNK, acc lives in registers for the whole walk. */
+INLINE void pv_rows(float *restrict acc, const float *restrict p, const float *restrict vb,
+                    int64_t stride, int64_t n, int64_t D) {
+    if (D % CHUNK || D > MAX_REG_CHUNKS * CHUNK) {
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t d = 0; d < D; d++) acc[d] += p[c] * vb[c * stride + d];
+        return;
+    }
+    vec x[MAX_REG_CHUNKS];
+    for (int64_t i = 0; i < D / CHUNK; i++) x[i] = LOAD(acc + i * CHUNK);
+    for (int64_t c = 0; c < n; c++) {
+        const vec pc = splat(p[c]);
+        for (int64_t i = 0; i < D / CHUNK; i++) x[i] += pc * LOAD(vb + c * stride + i * CHUNK);
+    }
+    for (int64_t i = 0; i < D / CHUNK; i++) STORE(acc + i * CHUNK, x[i]);
+}
+
+/* acc_m += sum_j p[m, j] * v_{k0 + j}, CHUNK keys at a time (one block's rows each). */
+INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D) {
+    const int64_t stride = it->a->num_kv_heads * D;
+    const int fast = it->a->block_size % CHUNK == 0;
+    for (int64_t j = 0; j < kn; j += CHUNK) {
+        const float *vb = it->a->v_cache + key_offset(it, k0 + j);
+        for (int64_t m = 0; m < it->M; m++) {
+            const int64_t n = it->lim[m] - k0 - j < CHUNK ? it->lim[m] - k0 - j : CHUNK;
+            const float *p = it->s + m * TILE + j;
+            float *acc = it->acc + m * D;
+            if (fast) {
+                pv_rows(acc, p, vb + m / it->Mh * D, stride, n, D);
+                continue;
+            }
+            for (int64_t c = 0; c < n; c++) /* the chunk may span blocks: row by row */
+                pv_rows(acc, p + c, it->a->v_cache + key_offset(it, k0 + j + c) + m / it->Mh * D, stride, 1, D);
+        }
+    }
+}
+
+/* Every vector of the item over all the keys any of them sees, TILE keys at a time. */
+INLINE void attend(const Item *it, int64_t num_keys, int64_t D) {
+    for (int64_t k0 = 0; k0 < num_keys; k0 += TILE) {
+        const int64_t kn = num_keys - k0 < TILE ? num_keys - k0 : TILE;
+        tile_scores(it, k0, kn, D);
+        tile_softmax(it, k0, kn, D);
+        tile_pv(it, k0, kn, D);
+    }
+}
+
+typedef void (*attend_fn)(const Item *, int64_t, int64_t);
+#define SPECIALISE(NAME, D_EXPR)                                    \
+    static void NAME(const Item *it, int64_t num_keys, int64_t D) { \
+        (void)D;                                                    \
+        attend(it, num_keys, D_EXPR);                               \
+    }
+SPECIALISE(attend_d64, 64)
+SPECIALISE(attend_d128, 128)
+SPECIALISE(attend_any, D)
+
+/* Query rows [r0, r0 + nr) of sequence `seq`, every head. */
+static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr) {
+    const Args *a = it->a;
+    const int64_t D = a->head_dim, BS = a->block_size, G = a->num_heads / a->num_kv_heads;
+    const int64_t q_start = a->cu_seqlens_q[seq];
+    const int64_t first_pos = a->seq_lens[seq] - (a->cu_seqlens_q[seq + 1] - q_start) + r0;
+    const int64_t num_keys = first_pos + nr; /* the tile's last row sees the most */
+    it->table = a->block_tables + seq * a->bt_stride;
+    for (int64_t b = 0; b * BS < num_keys; b++)
+        if (it->table[b] < 0 || it->table[b] >= a->num_blocks) return ERR_BLOCK_ID;
+    it->Mh = nr * G;
+    it->M = a->num_kv_heads * it->Mh;
+    for (int64_t m = 0; m < it->M; m++) {
+        const int64_t h = m / it->Mh, r = m % it->Mh / G, g = m % G;
+        const float *src = a->query + (q_start + r0 + r) * a->q_stride_tok + (h * G + g) * a->q_stride_head;
+        for (int64_t d = 0; d < D; d++) it->q[m * D + d] = src[d] * a->scale;
+        memset(it->acc + m * D, 0, D * sizeof(float));
+        it->m_run[m] = -INFINITY;
+        it->l_run[m] = 0.0f;
+        it->lim[m] = first_pos + r + 1;
+    }
+    fn(it, num_keys, D);
+    for (int64_t m = 0; m < it->M; m++) {
+        const int64_t h = m / it->Mh, r = m % it->Mh / G, g = m % G;
+        float *o = a->out + (q_start + r0 + r) * a->o_stride_tok + (h * G + g) * a->o_stride_head;
+        const float inv = 1.0f / it->l_run[m];
+        for (int64_t d = 0; d < D; d++) o[d] = it->acc[m * D + d] * inv;
+    }
+    return 0;
+}
+
+/* first[s] = work items (row tiles) of sequences before s; skipped sequences get none. */
+static int plan_tiles(const Args *a, int64_t *first) {
+    if (a->cu_seqlens_q[0] != 0 || a->cu_seqlens_q[a->num_seqs] != a->num_tokens) return ERR_QUERY_ROWS;
+    first[0] = 0;
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        const int64_t q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s], seq_len = a->seq_lens[s];
+        if (q_len < 0) return ERR_QUERY_ROWS;
+        if (q_len > seq_len || seq_len > a->max_blocks * a->block_size) return ERR_SEQ_LEN;
+        const int skip = q_len > a->max_q_len || (a->skip_fresh && q_len > 1 && q_len == seq_len);
+        first[s + 1] = first[s] + (skip ? 0 : (q_len + ROWS_TILE - 1) / ROWS_TILE);
+    }
+    return 0;
+}
+
+static int64_t find_seq(const int64_t *first, int64_t num_seqs, int64_t item) {
+    int64_t lo = 0, hi = num_seqs - 1; /* the largest s with first[s] <= item */
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* This thread's share of the items (an orphaned omp for); returns its first error. */
+static int run_items(const Args *a, const int64_t *first, int64_t num_items) {
+    const int64_t M = ROWS_TILE * a->num_heads, D = a->head_dim;
+    const attend_fn fn = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+    /* One block: q, acc [M, D]; s [M, TILE]; m_run, l_run [M]; lim [M] (int64). */
+    float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + M * sizeof(int64_t));
+    Item it = {a, NULL, 0, 0, mem, mem + M * D, mem + 2 * M * D, mem + M * (2 * D + TILE),
+               mem + M * (2 * D + TILE + 1), (int64_t *)(mem + M * (2 * D + TILE + 2))};
+    int err = mem ? 0 : ERR_NO_MEMORY;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; i++) {
+        if (err) continue;
+        const int64_t s = find_seq(first, a->num_seqs, i);
+        const int64_t q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s];
+        const int64_t r0 = (i - first[s]) * ROWS_TILE;
+        err = run_item(&it, fn, s, r0, q_len - r0 < ROWS_TILE ? q_len - r0 : ROWS_TILE);
+    }
+    free(mem);
+    return err;
+}
+
+/* Entry point; returns 0 or an ERR_* code. Rows of skipped sequences are not written. */
+int rayllm_paged_attention_f32(const Args *a) {
+    if (a->num_seqs <= 0) return 0;
+    int64_t *first = malloc((a->num_seqs + 1) * sizeof(int64_t));
+    if (!first) return ERR_NO_MEMORY;
+    int err = plan_tiles(a, first);
+    const int64_t num_items = err ? 0 : first[a->num_seqs];
+#pragma omp parallel if (num_items > 1)
+    {
+        const int my_err = num_items ? run_items(a, first, num_items) : 0;
+#pragma omp critical
+        if (my_err && !err) err = my_err;
+    }
+    free(first);
+    return err;
+}
