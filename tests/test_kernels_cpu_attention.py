@@ -1,0 +1,194 @@
+"""The CPU path's fused C paged-attention kernel (kernels.cpu_attention) against the reference.
+
+Caches are poisoned: blocks no sequence owns, and the rows past a sequence's end
+in its last block, hold NaN, and `out` starts as NaN, so a stray read or an
+unwritten row fails the comparison.
+"""
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_build
+from kernels.cpu_attention import (KERNEL_MAX_Q_LEN, kernel_available, paged_attention_cpu,
+                                   store_kv_cpu)
+from kernels.reference import paged_attention_ref, store_kv_ref
+
+TOL = 2e-5
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the C kernel could not be built here")
+
+
+def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16,
+               num_blocks=None, first_block=0, seed=0, poison=float("nan")):
+    """paged_attention kwargs for a random batch on shuffled, non-contiguous blocks.
+
+    `poison` fills what no sequence may read. The torch fallback needs it finite: it
+    reads whole blocks and masks, and 0 * NaN is NaN (the engine zero-fills its cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    total = num_blocks or sum(per_seq) + 3
+    ids = first_block + torch.randperm(total - first_block, generator=gen)[:sum(per_seq)]
+    table = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32)
+    shape = (total, block_size, num_kv_heads, head_dim)
+    # torch.empty: a huge cache stays virtual; only the blocks written below are touched.
+    k_cache, v_cache = torch.empty(shape), torch.empty(shape)
+    if num_blocks is None:
+        k_cache.fill_(poison)
+        v_cache.fill_(poison)
+    pos = 0
+    for s, (n_blocks, seq_len) in enumerate(zip(per_seq, seq_lens)):
+        mine = ids[pos:pos + n_blocks]
+        table[s, :n_blocks] = mine
+        pos += n_blocks
+        for cache in (k_cache, v_cache):
+            rows = torch.randn((n_blocks * block_size, num_kv_heads, head_dim), generator=gen)
+            rows[seq_len:] = poison  # past the end: never to be read
+            cache[mine] = rows.view(n_blocks, block_size, num_kv_heads, head_dim)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return dict(query=torch.randn(cu[-1], num_heads, head_dim, generator=gen), k_cache=k_cache,
+                v_cache=v_cache, block_tables=table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=max(q_lens),
+                softmax_scale=1.0 / math.sqrt(head_dim))
+
+
+def check(batch, **extra):
+    ref = paged_attention_ref(**batch)
+    out = torch.full_like(batch["query"], float("nan"))
+    got = paged_attention_cpu(**batch, out=out, **extra)
+    assert got is out
+    assert not torch.isnan(out).any(), "rows left unwritten, or a poisoned row was read"
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+
+
+# Decode lengths around the 16-row block and 16-key vector edges, short to long.
+DECODE_LENS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 128, 129, 300]
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_mixed_lengths(group, head_dim):
+    batch = make_batch([1] * len(DECODE_LENS), DECODE_LENS, 2 * group, 2, head_dim, seed=group)
+    check(batch)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [8, 16, 24, 32])
+def test_block_sizes_around_the_vector_width(block_size):
+    # 8 and 24 are not multiples of the kernel's 16-key vectors: the row-by-row path.
+    lens = [block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+    check(make_batch([1, 1, 1, 1], lens, 4, 2, 64, block_size=block_size))
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [40, 72])
+def test_head_dim_not_a_multiple_of_16(head_dim):
+    check(make_batch([1, 1, 3], [17, 50, 40], 4, 2, head_dim))
+
+
+@needs_kernel
+def test_chunks_with_a_cached_prefix_and_fresh_chunks():
+    # q_len 1..KERNEL_MAX_Q_LEN run in the kernel (with or without a prefix); longer ones in SDPA.
+    q_lens = [1, 2, 5, 16, KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 7, 20, 3]
+    seq_lens = [40, 30, 5, 60, KERNEL_MAX_Q_LEN + 9, KERNEL_MAX_Q_LEN + 50, 20, 3]
+    check(make_batch(q_lens, seq_lens, 8, 2, 64))
+
+
+@needs_kernel
+def test_fresh_chunks_use_the_new_key_value_rows():
+    batch = make_batch([20, 1, 45], [20, 33, 45], 4, 2, 64)
+    key = torch.randn(66, 2, 64)
+    value = torch.randn(66, 2, 64)
+    slots = []
+    for s, (q_len, seq_len) in enumerate([(20, 20), (1, 33), (45, 45)]):
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(int(batch["block_tables"][s, p // 16]) * 16 + p % 16)
+    store_kv_cpu(key, value, batch["k_cache"], batch["v_cache"], torch.tensor(slots))
+    check(batch, key=key, value=value)
+
+
+@needs_kernel
+def test_block_ids_past_30000():
+    batch = make_batch([1, 1, 4], [40, 70, 33], 4, 1, 64, num_blocks=30100, first_block=30000)
+    assert int(batch["block_tables"][:, :2].min()) >= 30000
+    check(batch)
+
+
+@needs_kernel
+def test_strided_query_and_host_lengths():
+    batch = make_batch([1, 6, 1], [20, 6, 64], 4, 2, 64)
+    q = batch["query"]
+    qkv = torch.randn(q.shape[0], 8 * 64)  # query as a view into a fused qkv output
+    qkv[:, :256] = q.reshape(q.shape[0], -1)
+    batch["query"] = qkv[:, :256].view(q.shape[0], 4, 64)
+    check(batch, seq_lens_cpu=[20, 6, 64], query_lens_cpu=[1, 6, 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_counts_agree(threads):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check(make_batch([1] * 9 + [7], [5, 90, 17, 33, 2, 64, 65, 128, 1, 40], 8, 2, 64))
+    finally:
+        torch.set_num_threads(prev)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b["block_tables"].__setitem__((0, 0), 10**6), "block id outside the cache"),
+    (lambda b: b["seq_lens"].__setitem__(0, 10**4), "beyond its block_tables row"),
+    (lambda b: b["cu_seqlens_q"].__setitem__(2, 1), "cu_seqlens_q"),
+])
+def test_bad_metadata_is_refused(mutate, message):
+    batch = make_batch([1, 1], [20, 40], 4, 2, 64)
+    mutate(batch)
+    with pytest.raises(ValueError, match=message):
+        paged_attention_cpu(**batch)
+
+
+def test_store_kv_cpu_matches_reference():
+    key, value = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    caches = [torch.zeros(4, 16, 2, 64) for _ in range(4)]
+    slots = torch.tensor([3, -1, 17, 63, 0])
+    store_kv_cpu(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(ValueError, match="slot 64"):
+        store_kv_cpu(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 64, 3]))
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache directory and no library loaded yet; restored afterwards."""
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    cpu_build.load_kernel_library.cache_clear()
+    yield tmp_path
+    cpu_build.load_kernel_library.cache_clear()
+
+
+def test_disabled_kernel_falls_back_to_torch(fresh_build, monkeypatch):
+    monkeypatch.setenv(cpu_build.DISABLE_ENV, "1")
+    assert not kernel_available()
+    check(make_batch([1, 1, 5], [17, 40, 30], 4, 2, 64, poison=1e4))
+    assert not list(fresh_build.iterdir())  # nothing was built
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="torch path"):
+        assert not kernel_available()
+    check(make_batch([1, 3], [17, 40], 4, 2, 64, poison=1e4))  # the torch path answers
+
+
+@needs_kernel
+def test_build_is_cached_by_source_hash(fresh_build):
+    assert kernel_available()
+    built = [p for p in fresh_build.iterdir()]
+    assert len(built) == 1 and built[0].suffix == ".so"  # the temp file was renamed, none left
+    mtime = built[0].stat().st_mtime_ns
+    cpu_build.load_kernel_library.cache_clear()
+    assert kernel_available() and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
