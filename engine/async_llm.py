@@ -74,6 +74,12 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._waiters[request_id] = (asyncio.get_running_loop(), queue)
+        # The loop may have died (or stopped) between the check above and the registration:
+        # it sets _error/_stop *before* it fails the waiters it can see, so checking again
+        # after registering means this request is either failed by the loop or raised here.
+        if self._error is not None or self._stop:
+            self._waiters.pop(request_id, None)
+            self._raise_if_dead()
         self._submit(("add", state))
         finished = False
         try:
@@ -132,6 +138,9 @@ class AsyncLLM:
             logger.exception("engine step loop died")
             self._error = e
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+            return
+        # Stopped: whoever registered after shutdown's aborts would otherwise wait forever.
+        self._fail_all(EngineDeadError("the engine has been shut down"))
 
     def _drain_pending(self) -> None:
         while self._pending:

@@ -36,8 +36,10 @@ def _lib():
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
-               for t in tensors)
+    for t in tensors:  # a plain loop: this runs a dozen times per layer per step
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            return False
+    return True
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

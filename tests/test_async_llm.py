@@ -125,6 +125,35 @@ def test_step_failure_reaches_every_waiter(make_llm):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("ending", ["death", "shutdown"])
+def test_request_registered_as_the_loop_ends_is_not_left_waiting(make_llm, ending):
+    """The window between generate()'s liveness check and its registration: the loop may end
+    right there (CI once hung 600 s on this). The request must fail, never wait forever."""
+    llm = make_llm()
+    real_make_request = llm.engine.make_request
+
+    def make_request_then_end_loop(request_id, *args):
+        state = real_make_request(request_id, *args)
+        if ending == "death":
+            llm.engine.executor.execute_model = _boom
+            llm._submit(("add", real_make_request("killer", "x", SamplingParams(max_tokens=2))))
+        else:
+            llm._submit(("stop", None))
+        llm._thread.join(10)
+        assert not llm._thread.is_alive()
+        return state
+
+    async def main():
+        llm.engine.make_request = make_request_then_end_loop
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(llm, "late", SamplingParams(max_tokens=4), "late"), 10)
+    asyncio.run(main())
+
+
+def _boom(*a, **k):
+    raise RuntimeError("injected failure")
+
+
 def test_shutdown_aborts_in_flight(make_llm):
     llm = make_llm()
 
