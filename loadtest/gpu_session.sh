@@ -4,25 +4,31 @@
 #   bash loadtest/gpu_session.sh kernels   # Triton kernel benchmark
 #   bash loadtest/gpu_session.sh A         # BENCHMARKS.md workload A (Qwen3-0.6B shape)
 #   bash loadtest/gpu_session.sh B         # workload B (Llama-3.1-8B shape)
+#   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
-# jsonschema: the tests that need those skip. Logs and JSON go to $OUT (or bench_out/gpu).
+# jsonschema: carry their wheels (docs/benchmarks.md, "GPU runbook") and put them on
+# PYTHONPATH first, or the guided tests skip. Logs and JSON go to $OUT (or bench_out/gpu).
 set -uo pipefail
 stage=${1:-tests}
 out=${OUT:-bench_out/gpu}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 case "$stage" in
   tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/test_kernels_attention.py tests/test_kernels_store_kv.py tests/test_kernels_validation.py \
-      tests/test_models.py tests/test_llm.py tests/test_sampler.py \
+      tests/test_models.py tests/test_llm.py tests/test_sampler.py tests/test_guided.py \
+      -k "cuda or triton or gpu or guided or kernels or models" \
       2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)
     python3 -m loadtest.kernel_bench --out "$out/kernel_bench.json" 2>&1 | tee "$out/kernel_bench.log" ;;
   A|B)
     python3 -m loadtest.gpu_bench --workload "$stage" --out "$out/gpu_bench_$stage.json" \
       2>&1 | tee "$out/gpu_bench_$stage.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|A|B)"; exit 2 ;;
+  smoke)
+    python3 -m loadtest.gpu_bench --workload A --quick --peer-timeout 120 --out "$out/gpu_bench_smoke.json" \
+      2>&1 | tee "$out/gpu_bench_smoke.log" ;;
+  *) echo "unknown stage $stage (tests|kernels|A|B|smoke)"; exit 2 ;;
 esac

@@ -203,6 +203,20 @@ def test_nested_schema_at_temperature_one_with_n_and_preemption(llm):
     llm.llm_engine.block_manager.check_no_leak()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nested_schema_on_cuda(tiny_llama):
+    """The bitmask on GPU logits, bf16 and CUDA graphs: the same contract as on CPU."""
+    llm = LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.3)
+    params = [SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=120, structured_outputs=_json(ORDER))
+              for seed in range(4)]
+    outs = llm.generate(["Order:", "Give me JSON", "Order:", "x"], params, use_tqdm=False)
+    assert all(c.finish_reason == "stop" for out in outs for c in out.outputs)
+    for text in _texts(outs):
+        VALIDATOR.validate(json.loads(text))
+    llm.llm_engine.block_manager.check_no_leak()
+
+
 # json_object on a random model: a key ends only when one of ~2 closing-quote tokens out of
 # 1000 is drawn, so most documents run past any small max_tokens. These single-token prompts
 # make the tiny model's greedy choice close the object at once (found by trying all of them);

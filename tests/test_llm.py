@@ -167,6 +167,22 @@ def test_triton_backend_equals_hf(arch, request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_cuda_greedy_equals_hf(arch, regime, request):
+    """The CPU regimes again on CUDA: native Triton kernels, CUDA graphs for decode, fp32 so the
+    comparison with HF's fp32 greedy stays exact."""
+    path = request.getfixturevalue(arch)
+    llm = LLM(path, dtype="float32", device="cuda", **REGIMES[regime])
+    assert llm.llm_engine.executor.runner.graph_runner is not None
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size)
+    _check_against_hf(path, llm, prompts)
+    if regime == "preemption":
+        assert llm.llm_engine.num_preemptions > 0, "the tiny cache should have forced preemption"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 def test_cuda_graphs_equal_eager_and_hf(tiny_llama):
     prompts = _prompts(1000, lens=PROMPT_LENS + [3] * 12)  # 20 requests: decode batches of many sizes
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
