@@ -29,11 +29,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _init_group(rank: int, config: EngineConfig) -> None:
+    # The engine's device picks the backend, not the machine: device="cpu" on a host with
+    # GPUs still needs gloo (NCCL cannot reduce CPU tensors).
+    from engine.model_runner import resolve_device
+    backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+    init_tp_group(rank, config.tensor_parallel_size, config.distributed_init_method, backend=backend)
+
+
 def _worker_main(rank: int, config: EngineConfig, model_config: ModelConfig, model_path: Path,
                  eos_token_ids: list[int], conn) -> None:
     from engine.model_runner import ModelRunner
     try:
-        init_tp_group(rank, config.tensor_parallel_size, config.distributed_init_method)
+        _init_group(rank, config)
         runner = ModelRunner(config, model_config, model_path, eos_token_ids)
         conn.send((_READY, runner.num_kv_blocks))
         while True:
@@ -64,7 +72,7 @@ class MultiprocExecutor:
             self.conns.append(parent)
         from engine.model_runner import ModelRunner
         try:
-            init_tp_group(0, config.tensor_parallel_size, config.distributed_init_method)
+            _init_group(0, config)
             self.runner = ModelRunner(config, model_config, model_path, eos_token_ids)
             for conn in self.conns:
                 op, _ = conn.recv()

@@ -2,8 +2,9 @@
 import random
 
 import pytest
+import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from tests.hf_reference import assert_matches, hf_greedy
 
 
@@ -22,3 +23,18 @@ def test_tp2_greedy_equals_hf(arch, request):
         llm.llm_engine.block_manager.check_no_leak()
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("cuda", "nccl")])
+def test_tp_backend_follows_the_engine_device_not_the_machine(monkeypatch, device, backend):
+    """device='cpu' on a GPU host once picked NCCL, which cannot reduce CPU tensors."""
+    from engine import distributed_executor
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as we know
+    monkeypatch.setattr(distributed_executor, "init_tp_group",
+                        lambda rank, size, method, backend=None: seen.update(backend=backend))
+    config = EngineConfig(model="unused", device=device, tensor_parallel_size=2,
+                          distributed_init_method="tcp://127.0.0.1:1")
+    distributed_executor._init_group(0, config)
+    assert seen["backend"] == backend

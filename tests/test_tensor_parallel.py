@@ -34,7 +34,7 @@ def _run(path) -> torch.Tensor:
 
 def _worker(rank: int, port: int, paths: list, out_dir) -> None:
     torch.set_num_threads(1)  # two ranks share the CPU cores
-    init_tp_group(rank, TP_SIZE, f"tcp://127.0.0.1:{port}")
+    init_tp_group(rank, TP_SIZE, f"tcp://127.0.0.1:{port}", backend="gloo")  # a CPU test, GPU or not
     try:
         assert (get_tp_rank(), get_tp_size()) == (rank, TP_SIZE)
         x = torch.full((2, 3), float(rank + 1))
