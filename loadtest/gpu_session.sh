@@ -6,7 +6,7 @@
 #   bash loadtest/gpu_session.sh B         # workload B (Llama-3.1-8B shape)
 #   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
-# jsonschema: carry their wheels (docs/benchmarks.md, "GPU runbook") and put them on
+# jsonschema: carry their wheels (docs/benchmarks.md, "GPU tests") and put them on
 # PYTHONPATH first, or the guided tests skip. Logs and JSON go to $OUT (or bench_out/gpu).
 set -uo pipefail
 stage=${1:-tests}
