@@ -1,0 +1,143 @@
+"""Scheduler property test: random add / step / abort sequences, invariants after every step
+(blocks, ref counts, KV contents, finish reasons), and every request finishes."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager, assert_no_leak
+from engine.outputs import ModelRunnerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+VOCAB, P_EOS, P_STOP = 6, 5, 4  # tiny vocab: prompts share prefixes, samples hit EOS and stop ids often
+P_LEN = 24                      # max_model_len of the property test
+
+# Prompts are a common stem plus a random tail, so full-block prefix hits are frequent.
+_STEM = [0, 1, 2, 3, 1, 0, 2, 1] * 3
+_prompt = st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), max_size=6)).map(lambda t: _STEM[:t[0]] + t[1])
+_add = st.tuples(st.just("add"), _prompt, st.integers(1, 8) | st.integers(1, 8) | st.none(),
+                 st.integers(1, 3), st.integers(0, 3), st.booleans(), st.booleans())
+_step = st.tuples(st.just("step"), st.integers(0, 2**31), st.booleans())
+_abort = st.tuples(st.just("abort"), st.integers(0, 99))
+
+
+class Harness:
+    """Drives a Scheduler with a fake model that also keeps a fake KV cache: every slot holds the
+    token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught."""
+
+    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS])
+        self.kv: dict[int, tuple[int, ...]] = {}
+        self.seqs: list[Sequence] = []
+        self.request_ids: list[str] = []
+
+    def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop):
+        sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens or min_tokens),
+                            ignore_eos=ignore_eos, stop_token_ids=[P_STOP] if stop else [])
+        rid = f"r{len(self.request_ids)}"
+        seqs = [Sequence(rid, prompt, sp, index=i) for i in range(n)]
+        for s in seqs[1:]:
+            s.prefix_source = seqs[0]
+        num_out = P_LEN - len(prompt) if max_tokens is None else max_tokens
+        fits = (prompt and num_out >= 1 and len(prompt) + num_out <= P_LEN
+                and -(-(len(prompt) + num_out - 1) // self.bm.block_size) <= self.bm.num_blocks)
+        try:
+            for s in seqs:
+                self.sched.add_seq(s)
+        except ValueError:
+            assert not fits and not self.sched.abort(rid)
+            return
+        assert fits
+        self.seqs += seqs
+        self.request_ids.append(rid)
+
+    def step(self, seed, abort_mid=False):
+        rng = random.Random(seed)
+        had_work = self.sched.has_unfinished_seqs()
+        out = self.sched.schedule()
+        assert out.seqs or not had_work, "a step with unfinished requests scheduled nothing"
+        self._check_schedule(out)
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            self._run_model(seq, n)
+        sampled = [rng.randrange(VOCAB) for f in out.sample_flags() if f]
+        if abort_mid and self.sched.running:
+            self.sched.abort(rng.choice(self.sched.running).request_id)
+        self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+        self._check_state()
+
+    def _slot(self, seq, pos):
+        return seq.block_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
+
+    def _run_model(self, seq, n):
+        start = seq.num_computed_tokens
+        for pos in range(start):  # attention reads every earlier position
+            assert self.kv.get(self._slot(seq, pos)) == tuple(seq.token_ids[:pos + 1]), (seq, pos)
+        for pos in range(start, start + n):
+            block_id = seq.block_table[pos // self.bm.block_size]
+            assert self.bm.ref_counts[block_id] == 1 and self.bm.block_hashes[block_id] is None, \
+                f"{seq} writes position {pos} into shared or cached block {block_id}"
+            self.kv[self._slot(seq, pos)] = tuple(seq.token_ids[:pos + 1])
+
+    def _check_schedule(self, out):
+        sched = self.sched
+        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len(out.seqs) == len(set(out.seqs)) <= sched.max_num_seqs
+        assert not set(out.seqs) & set(out.preempted)
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_tokens - seq.num_computed_tokens
+            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
+
+    def _check_state(self):
+        sched, bs = self.sched, self.bm.block_size
+        assert sched.num_running <= sched.max_num_seqs
+        assert all(not s.block_table and s.num_computed_tokens == 0 for s in sched.waiting)
+        self.bm.check_invariants(list(sched.running) + list(sched.waiting))
+        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq in sched.running:
+            for i, block_id in enumerate(seq.block_table):
+                holders.setdefault(block_id, []).append((seq, i))
+        for block_id, held in holders.items():
+            if len(held) > 1:  # shared only as a full, computed, identical prefix block
+                (s0, i0) = held[0]
+                for seq, i in held:
+                    assert i == i0 and (i + 1) * bs <= seq.num_computed_tokens, (block_id, held)
+                    assert seq.token_ids[:(i + 1) * bs] == s0.token_ids[:(i + 1) * bs], (block_id, held)
+
+    def check_finished(self):
+        for seq in self.seqs:
+            sp, out = seq.sampling_params, seq.output_token_ids
+            assert seq.is_finished and not seq.block_table, seq
+            if seq.finish_reason == "stop":
+                assert len(out) >= sp.min_tokens and (out[-1] == P_EOS and not sp.ignore_eos
+                                                      or out[-1] in sp.stop_token_ids)
+            elif seq.finish_reason == "length":
+                assert len(out) == sp.max_tokens or seq.num_tokens == P_LEN
+            else:
+                assert seq.finish_reason == "abort"
+        assert_no_leak(self.bm)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.one_of(_add, _add, _step, _abort), max_size=40), num_blocks=st.integers(2, 24),
+       block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
+       caching=st.booleans())
+def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching):
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching)
+    for op, *args in ops:
+        if op == "add":
+            h.add(*args)
+        elif op == "step":
+            h.step(*args)
+        elif h.request_ids:
+            h.sched.abort(h.request_ids[args[0] % len(h.request_ids)])
+            h._check_state()
+    for i in range(3000):  # every request finishes: bounded, not "eventually"
+        if not h.sched.has_unfinished_seqs():
+            break
+        h.step(i)
+    h.check_finished()
