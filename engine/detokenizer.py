@@ -17,6 +17,12 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 
+try:  # transformers >= 5: the fast tokenizers' class
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+except ImportError:  # pragma: no cover - older transformers: always go through tokenizer.decode
+    PreTrainedTokenizerBase = TokenizersBackend = None
+
 _PROMPT_CONTEXT = 5        # prompt ids kept as left context for the first output tokens (vLLM's choice)
 _MAX_PENDING_TOKENS = 16   # a UTF-8 character needs <= 4 byte tokens; past this the bytes are garbage, emit them
 _TRIM_AT = 64              # drop ids left of the window once this many have piled up
@@ -26,6 +32,7 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], sampling_params: SamplingParams):
         self.tokenizer = tokenizer
+        self._backend_decode = _backend_decode(tokenizer)
         self.skip_special_tokens = sampling_params.skip_special_tokens
         self.stop: list[str] = list(sampling_params.stop or [])
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
@@ -68,6 +75,8 @@ class IncrementalDetokenizer:
     # -- internals ----------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of spaces: it looks across token boundaries and would break the difference.
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
@@ -106,6 +115,23 @@ class IncrementalDetokenizer:
         cut = best_pos + len(best_stop) if self.include_stop_str_in_output else best_pos
         self.output_text = text[:cut]
         return best_stop
+
+
+def _backend_decode(tokenizer):
+    """The Rust `tokenizers` decode that `tokenizer.decode` wraps, when it adds nothing else.
+
+    With clean-up off, a fast tokenizer's `decode(ids)` is exactly its backend's
+    `decode(ids, skip_special_tokens)`; the Python layers around it (argument
+    conversion, kwargs plumbing) cost several times the decode itself, twice per
+    token per sequence. A class that overrides either layer keeps the full path.
+    """
+    if TokenizersBackend is None or not isinstance(tokenizer, TokenizersBackend):
+        return None
+    cls = type(tokenizer)
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return getattr(backend, "decode", None)
 
 
 def decode_token(tokenizer, token_id: int) -> str:

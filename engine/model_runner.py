@@ -171,7 +171,10 @@ class ModelRunner:
             hidden = self._eager_forward(mi)
         if not mi.sample_rows:
             return None
-        return self.model.compute_logits(hidden[self._to_device(mi.sample_rows, torch.long)]).float()
+        if len(mi.sample_rows) < hidden.shape[0]:
+            hidden = hidden[self._to_device(mi.sample_rows, torch.long)]
+        # else every row samples (rows are increasing, so they are 0 .. n-1): no gather copy
+        return self.model.compute_logits(hidden).float()
 
     def _eager_forward(self, mi: ModelInput) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -55,6 +55,9 @@ class Sampler:
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         if not seqs:
             return [], None
+        if allowed_token_bitmask is None and _plain_greedy(seqs):
+            # No stage would change the logits: argmax of the model's own logits, no copy.
+            return logits.argmax(dim=-1).tolist(), None
         # [num_seqs, vocab], a contiguous float32 copy: the stages below work in place.
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if allowed_token_bitmask is not None:
@@ -238,6 +241,17 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 # -- helpers -------------------------------------------------------------------
+def _plain_greedy(seqs: list[Sequence]) -> bool:
+    """Every row is greedy with no logprobs, no penalties and no min_tokens still in force:
+    then the sampled token is the argmax of the raw logits (the usual offline batch)."""
+    for seq in seqs:
+        p = seq.sampling_params
+        if (not p.is_greedy or p.logprobs is not None or p.has_penalties
+                or (p.min_tokens and seq.num_output_tokens < p.min_tokens)):
+            return False
+    return True
+
+
 def _count_tokens(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, length] ids in [0, vocab] -> [rows, vocab] float32 counts (id `vocab` is padding)."""
     counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)

@@ -161,3 +161,17 @@ def test_decode_token(tokenizer):
     assert decode_token(tokenizer, 2) == "</s>"
     hello = encode(tokenizer, "Hello")[0]
     assert decode_token(tokenizer, hello) == tokenizer.decode([hello])
+
+
+def test_tokenizer_that_overrides_decode_is_still_called(tokenizer):
+    # The detokenizer skips transformers' decode wrapper for a plain fast tokenizer; a
+    # subclass with its own decode must keep going through it.
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer, clean_up_tokenization_spaces=False)
+    ids = encode(tokenizer, "Hello world")
+    detok = IncrementalDetokenizer(shouting, [1], SamplingParams())
+    stream(detok, ids, None)
+    assert detok.output_text == "HELLO WORLD"

@@ -43,6 +43,16 @@ def test_greedy_is_argmax_in_a_mixed_batch(device):
     assert torch.equal(logits, before)  # the caller's logits are not touched
 
 
+def test_all_greedy_batch_still_applies_penalties():
+    # An all-greedy batch takes the argmax of the raw logits only when no row has a
+    # stage that changes them: a repetition penalty on one row must still move its pick.
+    logits = torch.tensor([[0.0, 2.0, 1.5], [0.0, 2.0, 1.5]])
+    seqs = [make_seq(prompt=[1], temperature=0.0),
+            make_seq(prompt=[1], temperature=0.0, repetition_penalty=2.0)]
+    ids, _ = Sampler(seed=0)(logits, seqs)
+    assert ids == [1, 2]  # row 1: 2.0 / 2 = 1.0 < 1.5
+
+
 def test_top_k_restricts_support():
     torch.manual_seed(1)
     row = torch.randn(64)
