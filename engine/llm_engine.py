@@ -113,6 +113,9 @@ class LLMEngine:
         for seq, entry in zip(sampled, runner_out.logprobs or ()):
             if entry is not None:
                 seq.output_logprobs.append(entry)
+        if runner_out.prompt_logprobs:
+            for seq in sched_out.seqs:
+                seq.prompt_logprobs.extend(runner_out.prompt_logprobs.get(seq.seq_id, ()))
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         return self._process_updates(updated)
 

@@ -20,8 +20,9 @@ from engine.layers.embed_head import ParallelLMHead
 from engine.layers.linear import LinearBase
 from engine.loader import load_weights
 from engine.models import get_model_class
-from engine.outputs import ModelInput, ModelRunnerOutput, SchedulerOutput
-from engine.sampler import Sampler
+from engine.outputs import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from engine.sampler import Sampler, compute_prompt_logprobs
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,11 @@ class ModelRunner:
             hidden = self.graph_runner.run(mi)
         else:
             hidden = self._eager_forward(mi)
+        if mi.prompt_logprob_rows:
+            # [num_sample_rows + num_prompt_logprob_rows, vocab], in that order: only the rows that are
+            # scored, never the whole chunk's (at most max_num_batched_tokens rows).
+            return self.model.compute_logits(hidden[self._to_device(mi.sample_rows + mi.prompt_logprob_rows,
+                                                                    torch.long)]).float()
         if not mi.sample_rows:
             return None
         if len(mi.sample_rows) < hidden.shape[0]:
@@ -189,12 +195,32 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor | None, so: SchedulerOutput, allowed_token_bitmask=None):
         seqs = [s for s, f in zip(so.seqs, so.sample_flags()) if f]
+        prompt_logprobs = None
+        if logits is not None and logits.shape[0] > len(seqs):  # the rows after the sampled ones
+            prompt_logprobs = self._prompt_logprobs(logits[len(seqs):], so)
+            logits = logits[:len(seqs)]
         if logits is None or not seqs:
-            return ModelRunnerOutput(sampled_token_ids=[])
+            return ModelRunnerOutput(sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         if allowed_token_bitmask is not None:
             allowed_token_bitmask = allowed_token_bitmask.to(self.device, non_blocking=True)
         token_ids, logprobs = self.sampler(logits, seqs, allowed_token_bitmask)
-        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, so: SchedulerOutput) -> dict[int, list[SampleLogprobs]]:
+        """logits: [num_prompt_logprob_rows, vocab], rows in prepare_inputs' order -> records per seq_id."""
+        spans = [(seq, prompt_logprob_positions(seq, n)) for seq, n in zip(so.seqs, so.num_scheduled_tokens)
+                 if seq.sampling_params.prompt_logprobs is not None]
+        spans = [(seq, positions) for seq, positions in spans if positions]
+        # The row at position p scores prompt token p + 1.
+        target_ids = [seq.token_ids[p + 1] for seq, positions in spans for p in positions]
+        ks = [seq.sampling_params.prompt_logprobs for seq, positions in spans for _p in positions]
+        records = compute_prompt_logprobs(logits, target_ids, ks)
+        out, i = {}, 0
+        for seq, positions in spans:
+            out[seq.seq_id] = records[i:i + len(positions)]
+            i += len(positions)
+        return out
 
     def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -207,6 +233,8 @@ class ModelRunner:
             bt = seq.block_table
             mi.slot_mapping.extend([bt[p // bs] * bs + p % bs for p in range(start, end)])
             mi.seq_lens.append(end)
+            if seq.sampling_params.prompt_logprobs is not None:  # rare: the common loop stays as it was
+                mi.prompt_logprob_rows.extend(num_rows + p - start for p in prompt_logprob_positions(seq, n))
             num_rows += n
             if samples:
                 mi.sample_rows.append(num_rows - 1)  # the chunk's last row predicts the next token
@@ -225,6 +253,19 @@ class ModelRunner:
 
     def free_seq(self, seq_id: int) -> None:
         self.sampler.free(seq_id)
+
+
+def prompt_logprob_positions(seq: Sequence, num_scheduled: int) -> range:
+    """Positions of this chunk whose row gives a prompt logprob entry not yet made: those
+    whose next token is a prompt token (entries made before a preemption are not redone).
+
+        prompt t0 t1 t2 t3 t4; entries for t1, t2 made before a preemption; recompute chunk [0, 5):
+        rows of positions 2, 3 -> entries for t3, t4 (position 4 scores the first output token)
+    """
+    if not seq.num_missing_prompt_logprobs:
+        return range(0)
+    start = seq.num_computed_tokens
+    return range(max(start, len(seq.prompt_logprobs)), min(start + num_scheduled, seq.num_prompt_tokens - 1))
 
 
 def _pack_weights_for_cpu(model: torch.nn.Module) -> None:

@@ -38,9 +38,9 @@ class SchedulerOutput:
 
 @dataclass
 class SampleLogprobs:
-    """Log-probabilities around one sampled token."""
+    """Log-probabilities around one token: a sampled one, or a prompt token (prompt logprobs)."""
 
-    token_id: int             # the sampled token
+    token_id: int             # the sampled (or prompt) token
     logprob: float            # its log-probability under the sampling distribution's logits (log_softmax of raw logits)
     rank: int                 # 1-based rank of the sampled token among all logits
     top_token_ids: list[int]  # the k most likely tokens, most likely first
@@ -53,6 +53,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None = None  # None when no sequence asked for logprobs
+    # seq_id -> this step's new prompt logprob entries (the prompt token is `token_id`), in
+    # position order; None when no scheduled sequence asked for prompt logprobs.
+    prompt_logprobs: dict[int, list[SampleLogprobs]] | None = None
 
 
 @dataclass
@@ -95,6 +98,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # When prompt_logprobs was asked for: one entry per prompt token, the first None (no context),
+    # else {prompt token: Logprob, plus the top-k}. DELTA outputs carry it once, when complete.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -111,3 +117,6 @@ class ModelInput:
     seq_lens: list[int]        # [num_seqs], context length incl. new tokens
     query_lens: list[int]      # [num_seqs], new tokens per sequence
     sample_rows: list[int]     # flat row indices whose logits are sampled
+    # Flat rows whose logits give prompt logprobs (row at position p scores prompt token p + 1);
+    # empty unless a scheduled prefill chunk asked for them.
+    prompt_logprob_rows: list[int] = field(default_factory=list)

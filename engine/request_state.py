@@ -27,6 +27,9 @@ class RequestState:
     detokenizers: list[IncrementalDetokenizer]
     metrics: RequestMetrics
     sent: list[_Sent] = field(default_factory=list)
+    # RequestOutput.prompt_logprobs, built once when complete; DELTA outputs send it once.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.sent = [_Sent() for _ in self.seqs]
@@ -44,9 +47,23 @@ class RequestState:
         delta = kind is RequestOutputKind.DELTA
         indices = sorted(changed) if delta else range(len(self.seqs))
         outputs = [self._completion(i, delta, tokenizer) for i in indices]
+        prompt_logprobs = self._prompt_logprobs(tokenizer)
+        if delta:  # as vLLM: a DELTA stream gets all prompt logprobs at once, in one output
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent = prompt_logprobs is not None or self.prompt_logprobs_sent
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=finished,
-                             metrics=self.metrics, num_cached_tokens=self.metrics.num_cached_tokens)
+                             metrics=self.metrics, num_cached_tokens=self.metrics.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, tokenizer) -> list | None:
+        """vLLM's prompt_logprobs once completion 0 has scored the whole prompt, else None."""
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            seq = self.seqs[0]
+            if len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
+                self.prompt_logprobs = [None] + [_logprob_dict(e, tokenizer) for e in seq.prompt_logprobs]
+        return self.prompt_logprobs
 
     def _completion(self, i: int, delta: bool, tokenizer) -> CompletionOutput:
         seq, detok, sent = self.seqs[i], self.detokenizers[i], self.sent[i]

@@ -271,31 +271,47 @@ def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Te
     return host.to(device)
 
 
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], ks: list[int]) -> list[SampleLogprobs]:
+    """logits: [num_rows, vocab] raw; row i scores prompt token target_ids[i] with top-ks[i].
+
+    Only the rows that asked are here, so the log_softmax copy is [num_rows, vocab], not the chunk's.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = _to_device(target_ids, torch.int64, logits.device)
+    return _logprob_records(targets, logprobs, ks)[1]
+
+
 def _to_host(sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, params: list,
              ) -> tuple[list[int], list[SampleLogprobs | None] | None]:
     """One `.tolist()` for the whole step: ids, and logprob records for the rows that asked."""
     if raw_logprobs is None:
         return sampled.tolist(), None
-    max_k = min(max(p.logprobs or 0 for p in params), raw_logprobs.shape[1])
-    sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))     # [num_seqs, 1]
-    rank = (raw_logprobs > sampled_logprob).sum(dim=1, keepdim=True) + 1  # 1-based; ties share the best rank
+    return _logprob_records(sampled, raw_logprobs, [p.logprobs for p in params])
+
+
+def _logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[int | None],
+                     ) -> tuple[list[int], list[SampleLogprobs | None]]:
+    """token_ids: [num_rows]; logprobs: [num_rows, vocab]; ks[i]: top-k of row i, None = no record."""
+    max_k = min(max(k or 0 for k in ks), logprobs.shape[1])
+    token_logprob = logprobs.gather(1, token_ids.unsqueeze(1))        # [num_rows, 1]
+    rank = (logprobs > token_logprob).sum(dim=1, keepdim=True) + 1  # 1-based; ties share the best rank
     # float64 holds int ids and float32 logprobs exactly, so one tensor carries everything:
-    # [num_seqs, 3 + 2*max_k] = id, logprob, rank, top ids..., top logprobs...
-    columns = [sampled.unsqueeze(1).double(), sampled_logprob.double(), rank.double()]
+    # [num_rows, 3 + 2*max_k] = id, logprob, rank, top ids..., top logprobs...
+    columns = [token_ids.unsqueeze(1).double(), token_logprob.double(), rank.double()]
     if max_k:
-        top_logprobs, top_ids = raw_logprobs.topk(max_k, dim=-1)
+        top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)
         columns += [top_ids.double(), top_logprobs.double()]
     packed = torch.cat(columns, dim=1).tolist()
 
-    token_ids = [int(row[0]) for row in packed]
+    ids = [int(row[0]) for row in packed]
     records: list[SampleLogprobs | None] = []
-    for row, p in zip(packed, params):
-        if p.logprobs is None:
+    for row, k in zip(packed, ks):
+        if k is None:
             records.append(None)
             continue
-        k = min(p.logprobs, max_k)
+        k = min(k, max_k)
         records.append(SampleLogprobs(
             token_id=int(row[0]), logprob=row[1], rank=int(row[2]),
             top_token_ids=[int(t) for t in row[3:3 + k]],
             top_logprobs=row[3 + max_k:3 + max_k + k]))
-    return token_ids, records
+    return ids, records

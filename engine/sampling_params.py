@@ -61,6 +61,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs of each sampled token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-k logprobs at each prompt position (plus the prompt token)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -94,6 +95,9 @@ class SamplingParams:
                    f"must be <= max_tokens={self.max_tokens}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be an integer in [0, {_MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None
+               or (type(self.prompt_logprobs) is int and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {_MAX_LOGPROBS}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative integers")

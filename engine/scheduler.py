@@ -189,7 +189,10 @@ class Scheduler:
         shared = src is not None  # and its prompt is computed: _waits_for_prefix_source said so
         if shared:
             bm.share_prefix(src, seq)
-        else:
+        elif not seq.num_missing_prompt_logprobs:
+            # Cached positions have no hidden states to take prompt logprobs from, so, as vLLM
+            # does, a request still missing some computes its whole prompt (its blocks are still
+            # cached for others).
             num_cached = bm.get_computed_blocks(seq)
         num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
         if not bm.allocate_slots(seq, num_new, num_computed_from_cache=num_cached):

@@ -43,6 +43,10 @@ class Sequence:
         self.prefix_source: Sequence | None = None
         # Filled by the sampler when logprobs are requested: one entry per output token.
         self.output_logprobs: list = []
+        # Filled by the engine when prompt_logprobs are requested: one entry per prompt token from
+        # the second on (the first has no context). Kept across preemption: a recompute only adds
+        # the positions still missing.
+        self.prompt_logprobs: list = []
         # Structured output: this sequence's grammar matcher (engine.guided), or None. Opaque here.
         self.grammar = None
 
@@ -70,6 +74,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_missing_prompt_logprobs(self) -> int:
+        """Prompt logprob entries still to compute; only completion 0 computes them for its request."""
+        if self.sampling_params.prompt_logprobs is None or self.index != 0:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -110,8 +110,9 @@ def to_stream_item(out: RequestOutput) -> StreamItem:
     deltas = [Delta(index=c.index, text=c.text, token_ids=list(c.token_ids),
                     logprobs=_logprobs(c.logprobs), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
               for c in out.outputs]
+    prompt_logprobs = _logprobs(out.prompt_logprobs[1:]) if out.prompt_logprobs is not None else None
     return StreamItem(deltas=deltas, num_prompt_tokens=len(out.prompt_token_ids),
-                      num_cached_tokens=out.num_cached_tokens, finished=out.finished)
+                      num_cached_tokens=out.num_cached_tokens, finished=out.finished, prompt_logprobs=prompt_logprobs)
 
 
 def _logprobs(entries) -> list | None:
@@ -176,6 +177,7 @@ def merge_items(items: list[StreamItem]) -> StreamItem:
             if d.logprobs is not None:
                 m.logprobs = (m.logprobs or []) + d.logprobs
             m.finish_reason, m.stop_reason = d.finish_reason or m.finish_reason, d.stop_reason or m.stop_reason
+    prompt_logprobs = next((i.prompt_logprobs for i in items if i.prompt_logprobs is not None), None)
     return StreamItem(deltas=list(merged.values()), num_prompt_tokens=last.num_prompt_tokens,
                       num_cached_tokens=last.num_cached_tokens, finished=last.finished, error=last.error,
-                      stats=last.stats)
+                      stats=last.stats, prompt_logprobs=prompt_logprobs)

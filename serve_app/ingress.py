@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
+from engine.detokenizer import decode_token
 from engine.loader import resolve_model_path
 from engine.sampling_params import SamplingParams
 from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
@@ -96,8 +97,11 @@ class Ingress:
             request_id = f"cmpl-{uuid.uuid4().hex}"
             echo = [t if t is not None else self.tokenizer.decode(ids)
                     for t, ids in zip(prepared.prompt_texts, prepared.prompt_token_ids)] if req.echo else None
+            # The engine's prompt logprobs start at the second token: the first one's text comes from here.
+            first_tokens = [decode_token(self.tokenizer, ids[0]) for ids in prepared.prompt_token_ids] \
+                if req.echo and req.logprobs is not None else None
             builder = CompletionBuilder(request_id, req.model, req.n, len(prepared.prompt_token_ids), req.logprobs,
-                                        req.include_usage, echo_texts=echo)
+                                        req.include_usage, echo_texts=echo, echo_first_tokens=first_tokens)
             return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=req.json_mode)
 
     @app.post("/v1/chat/completions")

@@ -46,6 +46,9 @@ class StreamItem:
     deltas: list[Delta] = field(default_factory=list)
     num_prompt_tokens: int = 0    # set on every item (cheap), for usage
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
+    # With prompt_logprobs: one entry per prompt token from the second on (the first has no
+    # context), on one item only (the first after the prompt was scored).
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
     finished: bool = False        # the last item of the request
     error: "StreamError | None" = None  # set on the last item when the request failed
     stats: dict | None = None     # the replica's engine stats, on the last item (for /metrics)

@@ -151,8 +151,6 @@ class CompletionRequest(_SamplingFields):
     def _check_completion(self):
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
         if self.echo and self.json_mode:
             raise ValueError("echo together with a JSON response_format is not supported (the text would not be JSON)")
         return self
@@ -165,7 +163,9 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
+        # echo + logprobs: the echoed prompt tokens get logprobs too (OpenAI's legacy behaviour).
+        prompt_logprobs = self.logprobs if self.echo else None
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
                               structured_outputs=self.structured_outputs(), **self._sampling_kwargs())
 
 

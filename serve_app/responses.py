@@ -39,11 +39,14 @@ class ResponseBuilder:
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
+        self.prompt_logprobs: list[list[list[TokenLogprob]] | None] = [None] * num_prompts  # per prompt, echo
 
     def add(self, prompt_index: int, item: StreamItem, stream: bool = False) -> list[dict[str, Any]]:
         """Record an item; when streaming, return the chunks to send for it."""
         self.prompt_tokens[prompt_index] = item.num_prompt_tokens
         self.cached_tokens[prompt_index] = item.num_cached_tokens
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = item.prompt_logprobs
         chunks = []
         for d in item.deltas:
             index = prompt_index * self.n + d.index
@@ -83,23 +86,29 @@ class ResponseBuilder:
 class CompletionBuilder(ResponseBuilder):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, *args, echo_texts: list[str] | None = None, **kwargs):
+    def __init__(self, *args, echo_texts: list[str] | None = None, echo_first_tokens: list[str] | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.echo_texts = echo_texts  # per prompt, when echo is on
+        self.echo_first_tokens = echo_first_tokens  # per prompt, its first token's text: echo + logprobs
 
     def _prefix(self, index: int) -> str:
         return self.echo_texts[index // self.n] if self.echo_texts else ""
 
     def _chunks(self, index: int, choice: _Choice, d: Delta) -> list[dict[str, Any]]:
-        text = d.text
-        if not choice.started:
+        text, first = d.text, not choice.started
+        if first:
             choice.started = True
             prefix = self._prefix(index)
             choice.text_offset = len(prefix)
             text = prefix + text
         if not text and not d.finish_reason and not d.logprobs:
             return []
-        logprobs = self._legacy_logprobs(choice, d.logprobs) if self.logprobs is not None else None
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self._legacy_logprobs(choice, d.logprobs)
+            if first:  # the echoed prompt's tokens come with the echoed text
+                logprobs = self._with_prompt_logprobs(index, logprobs)
         return [self._envelope([{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])]
 
@@ -115,6 +124,29 @@ class CompletionBuilder(ResponseBuilder):
             choice.text_offset += len(token)
         return out
 
+    def _with_prompt_logprobs(self, index: int, completion: dict[str, list]) -> dict[str, list]:
+        """Echo + logprobs: the prompt's tokens, then the completion's, as OpenAI. The first prompt
+        token has no logprob (null). Prompt offsets count back from the end of the echoed text, so a
+        BOS token the text does not show gets offset 0 instead of shifting every later offset.
+
+        (Without this choice's prompt logprobs yet, which only a preempted n > 1 request can
+        produce, the prompt part is left out.)
+        """
+        p = index // self.n
+        entries = self.prompt_logprobs[p]
+        if not self.echo_first_tokens or entries is None:
+            return completion
+        tokens = [self.echo_first_tokens[p]] + [e[0][3] for e in entries]
+        offsets, end = [], len(self._prefix(index))
+        for token in reversed(tokens):
+            end -= len(token)
+            offsets.append(max(end, 0))
+        return {"tokens": tokens + completion["tokens"],
+                "token_logprobs": [None] + [max(e[0][1], _MIN_LOGPROB) for e in entries] + completion["token_logprobs"],
+                "top_logprobs": [None] + [{t: max(lp, _MIN_LOGPROB) for _i, lp, _r, t in e} for e in entries]
+                + completion["top_logprobs"],
+                "text_offset": offsets[::-1] + completion["text_offset"]}
+
     def final(self) -> dict[str, Any]:
         choices = []
         for index, c in enumerate(self.choices):
@@ -122,7 +154,7 @@ class CompletionBuilder(ResponseBuilder):
             logprobs = None
             if self.logprobs is not None:
                 c.text_offset = len(prefix)
-                logprobs = self._legacy_logprobs(c, c.logprobs)
+                logprobs = self._with_prompt_logprobs(index, self._legacy_logprobs(c, c.logprobs))
             choices.append({"index": index, "text": prefix + "".join(c.text), "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return self._envelope(choices, usage=self.usage(), stream=False)

@@ -56,3 +56,11 @@ def assert_matches(ours: list[int], ref: Reference, what: str = "") -> None:
                 f"{ref.gaps[i]:.2e})\nours {ours}\nHF   {ref.token_ids}")
             return
     assert len(ours) == len(ref.token_ids), f"{what}: length {len(ours)} != HF {len(ref.token_ids)}"
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(path: str, prompt_ids: list[int]) -> torch.Tensor:
+    """[num_prompt_tokens, vocab]: row i is log_softmax of HF's raw logits given tokens <= i
+    (so row i - 1 scores prompt token i)."""
+    logits = load_hf(path)(torch.tensor([list(prompt_ids)])).logits[0].float()
+    return torch.log_softmax(logits, -1)

@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from tests.hf_reference import assert_matches, hf_greedy
+from engine import LLM, RequestOutputKind, SamplingParams
+from tests.hf_reference import assert_matches, hf_greedy, hf_prompt_logprobs
 
 PROMPT_LENS = [1, 5, 16, 17, 40, 128, 333, 700]
 MAX_TOKENS = 20
@@ -128,6 +128,84 @@ def test_logprobs_equal_hf_log_softmax(tiny_qwen2):
         top = ref_lp.topk(5)
         for tid, val in zip(top.indices.tolist(), top.values.tolist()):
             assert lp[tid].logprob == pytest.approx(val, abs=1e-4)
+
+
+def _assert_prompt_logprobs_equal_hf(path, prompt, prompt_logprobs, k):
+    ref = hf_prompt_logprobs(path, prompt)  # row i - 1 scores prompt token i
+    assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        entry, ref_lp = prompt_logprobs[i], ref[i - 1]
+        assert next(iter(entry)) == prompt[i]  # the prompt token first, as vLLM
+        assert entry[prompt[i]].logprob == pytest.approx(ref_lp[prompt[i]].item(), abs=1e-4)
+        top = ref_lp.topk(k)
+        for rank, (tid, val) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert entry[tid].logprob == pytest.approx(val, abs=1e-4)
+            assert entry[tid].rank == rank
+        assert len(entry) <= k + 1
+
+
+@pytest.mark.parametrize("regime", [{}, {"max_num_batched_tokens": 16}], ids=["one_chunk", "chunked_prefill"])
+def test_prompt_logprobs_equal_hf_log_softmax(tiny_llama, regime):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", **regime)
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[40])[0]
+    out = _run(llm, [prompt], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True,
+                                             prompt_logprobs=3))[0]
+    _assert_prompt_logprobs_equal_hf(tiny_llama, prompt, out.prompt_logprobs, 3)
+    assert out.outputs[0].logprobs is None  # prompt logprobs alone don't turn on sample logprobs
+    plain = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert plain.prompt_logprobs is None
+
+
+def test_prompt_logprobs_come_once_in_a_delta_stream(tiny_llama):
+    engine = LLM(tiny_llama, dtype="float32", device="cpu", max_num_batched_tokens=16).llm_engine
+    prompt = _prompts(engine.model_config.vocab_size, lens=[40])[0]
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0, output_kind=RequestOutputKind.DELTA))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 4 and [o.prompt_logprobs is not None for o in outs] == [True, False, False, False]
+    _assert_prompt_logprobs_equal_hf(tiny_llama, prompt, outs[0].prompt_logprobs, 0)
+    engine.block_manager.check_no_leak()
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama):
+    """A 6-block cache: the prompt-logprob request is preempted mid-prompt, again and again;
+    the entries it already made are neither redone nor lost."""
+    engine = LLM(tiny_llama, dtype="float32", device="cpu", max_num_batched_tokens=16, num_kv_blocks=6).llm_engine
+    other, prompt = _prompts(engine.model_config.vocab_size, lens=[20, 80])
+    engine.add_request("other", {"prompt_token_ids": other},
+                       SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.add_request("r", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2))
+    seq = engine.requests["r"].seqs[0]
+    entries_at_preemption, final = [], None
+    while engine.has_unfinished_requests():
+        num_preemptions = seq.num_preemptions
+        for out in engine.step():
+            final = out if out.request_id == "r" else final
+        if seq.num_preemptions > num_preemptions:
+            entries_at_preemption.append(len(seq.prompt_logprobs))
+    assert any(0 < n < len(prompt) - 1 for n in entries_at_preemption), entries_at_preemption
+    _assert_prompt_logprobs_equal_hf(tiny_llama, prompt, final.prompt_logprobs, 2)
+    engine.block_manager.check_no_leak()
+
+
+def test_prompt_logprobs_bypass_prefix_cache(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", enable_prefix_caching=True)
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[50])[0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    _run(llm, [prompt], params)
+    assert _run(llm, [prompt], params)[0].num_cached_tokens == 48  # the prompt is cached...
+    out = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))[0]
+    assert out.num_cached_tokens == 0  # ... but positions taken from the cache would have no logits
+    _assert_prompt_logprobs_equal_hf(tiny_llama, prompt, out.prompt_logprobs, 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True, "2"])
+def test_prompt_logprobs_validation(bad):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
 
 
 def test_refuses_requests_that_cannot_fit(tiny_llama):

@@ -35,8 +35,10 @@ def reference(tiny_llama):
     chat_ids = llm.get_tokenizer().apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     chat_ids = llm.get_tokenizer()(chat_ids, add_special_tokens=False)["input_ids"]
     (chat,) = llm.generate([{"prompt_token_ids": chat_ids}], greedy)
+    (scored,) = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))
     ref = {"text": [o.outputs[0].text for o in outs], "ids": [o.prompt_token_ids for o in outs],
-           "num_tokens": [len(o.outputs[0].token_ids) for o in outs], "chat": chat.outputs[0].text}
+           "num_tokens": [len(o.outputs[0].token_ids) for o in outs], "chat": chat.outputs[0].text,
+           "prompt_logprobs": scored.prompt_logprobs}
     llm.llm_engine.shutdown()
     return ref
 
@@ -173,6 +175,26 @@ def test_chat_logprobs(client, reference):
 def test_echo(client, reference):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0, echo=True)
     assert r.choices[0].text == PROMPTS[3] + reference["text"][3]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, http, reference):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, echo=True,
+                                  logprobs=2)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    ids, ref = reference["ids"][0], reference["prompt_logprobs"]
+    assert text == PROMPTS[0] + reference["text"][0]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + reference["num_tokens"][0]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i][ids[i]].logprob, abs=1e-5)
+        assert lp.top_logprobs[i] == pytest.approx({e.decoded_token: e.logprob for e in ref[i].values()}, abs=1e-5)
+        assert text[lp.text_offset[i]:].startswith(lp.tokens[i])  # offsets index the echoed text
+    assert lp.text_offset[len(ids)] == len(PROMPTS[0])  # the completion starts after the echoed prompt
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as s:
+        first = json.loads(next(line for line in s.iter_lines() if line.startswith("data: "))[6:])
+    assert first["choices"][0]["logprobs"]["tokens"][:len(ids)] == lp.tokens[:len(ids)]  # the first chunk
 
 
 def test_json_response_format_goes_through_guardrails(client):

@@ -19,6 +19,10 @@ def test_to_stream_item_is_compact():
     (d,) = item.deltas
     assert (d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason) == (1, "ab", [5, 6], "stop", 2)
     assert d.logprobs == [[(5, -0.1, 1, "a")], [(6, -0.2, 2, "b"), (7, -0.05, 1, "c")]]
+    assert item.prompt_logprobs is None
+    out.prompt_logprobs = [None, {2: Logprob(-1.5, 4, "x"), 9: Logprob(-0.5, 1, "y")}, {3: Logprob(-0.2, 1, "z")}]
+    # The first prompt token has no entry: the Ingress supplies its text.
+    assert to_stream_item(out).prompt_logprobs == [[(2, -1.5, 4, "x"), (9, -0.5, 1, "y")], [(3, -0.2, 1, "z")]]
 
 
 def test_merge_items_concatenates_per_completion():
@@ -31,6 +35,8 @@ def test_merge_items_concatenates_per_completion():
     assert [e[0][0] for e in d0.logprobs] == [1, 2]
     assert (d1.text, d1.token_ids) == ("x", [9])
     assert m.finished and m.num_prompt_tokens == 3
+    a.prompt_logprobs = [[(7, -1.0, 1, "p")]]
+    assert merge_items([a, b]).prompt_logprobs == [[(7, -1.0, 1, "p")]]  # sent once, kept when merged
     assert a.deltas[0].text == "a"  # inputs untouched
 
 

@@ -79,6 +79,14 @@ def test_completion_sampling_params_defaults_and_extras():
     assert (p.ignore_eos, p.min_tokens, p.stop_token_ids, p.stop, p.seed, p.logprobs, p.n) == (
         True, 2, [7], ["ab"], 11, 2, 2)
     assert p.presence_penalty == 0.5
+    assert p.prompt_logprobs is None
+
+
+def test_completion_echo_with_logprobs_asks_for_prompt_logprobs():
+    p = _parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 3}).to_sampling_params()
+    assert (p.logprobs, p.prompt_logprobs) == (3, 3)
+    assert _parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}).to_sampling_params() \
+        .prompt_logprobs is None
 
 
 def test_chat_messages_and_content_parts():

@@ -45,6 +45,23 @@ def test_completion_echo_prefixes_prompt_and_offsets():
     assert chunks[0]["choices"][0]["logprobs"]["text_offset"] == [5]
 
 
+def test_completion_echo_with_logprobs_starts_with_the_prompt():
+    # Prompt "<s>Say: " as tokens ["<s>", "Say", ": "]; the echoed text has no "<s>".
+    prompt_lps = [[(3, -4.0, 9, "Say"), (5, -0.1, 1, "a")], [(4, -0.5, 1, ": ")]]
+    for stream in (False, True):
+        b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=1, echo_texts=["Say: "],
+                              echo_first_tokens=["<s>"])
+        item = _item(Delta(0, "a", [5], logprobs=[LP_A], finish_reason="length"), prompt=3, finished=True)
+        item.prompt_logprobs = prompt_lps
+        chunks = b.add(0, item, stream=stream)
+        choice = (chunks[0] if stream else b.final())["choices"][0]
+        assert choice["text"] == "Say: a"
+        assert choice["logprobs"] == {
+            "tokens": ["<s>", "Say", ": ", "a"], "token_logprobs": [None, -4.0, -0.5, -0.1],
+            "top_logprobs": [None, {"Say": -4.0, "a": -0.1}, {": ": -0.5}, {"a": -0.1, "b": -2.0}],
+            "text_offset": [0, 0, 3, 5]}  # "<s>" is not in the text: offsets count back from its end
+
+
 def test_completion_stream_chunks_skip_empty_and_carry_finish():
     b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None)
     assert b.add(0, _item(Delta(0, "", [9])), stream=True) == []  # incomplete UTF-8: nothing to say yet
