@@ -21,6 +21,10 @@ from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")
+# A chunk of a request still owed prompt logprobs is scored row by row: [rows, vocab] logits
+# plus their log_softmax. Capping its rows per step bounds that memory (512 x a 152k vocab in
+# fp32 is ~0.6 GB with the copy), which the start-up memory profile does not account for.
+MAX_PROMPT_LOGPROB_ROWS = 512
 
 
 class Scheduler:
@@ -120,7 +124,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, _chunk_limit(seq, budget))
             assert num_new >= 1, seq
             if not self._allocate_or_preempt(seq, num_new, out):
                 break  # seq was the newest and stepped back itself; nothing runs after it
@@ -194,7 +198,7 @@ class Scheduler:
             # does, a request still missing some computes its whole prompt (its blocks are still
             # cached for others).
             num_cached = bm.get_computed_blocks(seq)
-        num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+        num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, _chunk_limit(seq, budget))
         if not bm.allocate_slots(seq, num_new, num_computed_from_cache=num_cached):
             if shared:
                 bm.free(seq)
@@ -243,3 +247,8 @@ class Scheduler:
         if (sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens) \
                 or seq.num_tokens >= self.max_model_len:
             self.finish_seq(seq, "length")
+
+
+def _chunk_limit(seq: Sequence, budget: int) -> int:
+    """Tokens `seq` may take this step: the budget, or fewer while it is owed prompt logprobs."""
+    return min(budget, MAX_PROMPT_LOGPROB_ROWS) if seq.num_missing_prompt_logprobs else budget

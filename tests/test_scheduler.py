@@ -286,3 +286,18 @@ def test_prefix_cache_hit_across_requests():
     assert st.scheduled == [("b", 2)] and b.num_cached_tokens == 8 and b.block_table[:2] == [0, 1]
     run_all(sched)
     assert_no_leak(sched.block_manager)
+
+
+def test_prompt_logprobs_request_takes_capped_chunks(monkeypatch):
+    # Each of its rows is scored over the whole vocab: the cap bounds that step's logits memory.
+    # The budget it leaves goes to the other request.
+    import engine.scheduler
+    monkeypatch.setattr(engine.scheduler, "MAX_PROMPT_LOGPROB_ROWS", 8)
+    sched = make_sched(max_num_batched_tokens=32)
+    sched.add_seq(make_seq("scored", 20, prompt_logprobs=1))
+    sched.add_seq(make_seq("plain", 20))
+    first = step(sched)
+    assert first.out.num_scheduled_tokens == [8, 20]
+    assert step(sched).out.num_scheduled_tokens[0] == 8
+    run_all(sched)
+    assert_no_leak(sched.block_manager)
