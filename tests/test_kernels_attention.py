@@ -5,28 +5,14 @@ must be set before triton is imported); on a CUDA machine the same cases run
 natively, plus larger ones.
 """
 
-import importlib
 import math
-import os
 
+import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+from tests.triton_device import DEVICE  # before kernels: sets the interpreter up
 
 import kernels  # noqa: E402
-
-_TRITON_MODULES = ("kernels.triton_attention_kernel", "kernels.triton_attention",
-                   "kernels.triton_store_kv", "kernels")
-if DEVICE == "cpu" and not importlib.import_module("kernels.triton_attention")._interpreted():
-    # Another test module imported kernels before TRITON_INTERPRET was set:
-    # re-decorate the kernels now that it is.
-    for _name in _TRITON_MODULES:
-        importlib.reload(importlib.import_module(_name))
-
 from kernels import paged_attention, paged_attention_ref, paged_attention_torch  # noqa: E402
 
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}

@@ -1,23 +1,9 @@
 """store_kv: Triton scatter and torch index_copy_ path against the reference."""
 
-import importlib
-import os
-
+import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-import kernels  # noqa: E402
-
-if DEVICE == "cpu" and not importlib.import_module("kernels.triton_store_kv")._interpreted():
-    # kernels was imported before TRITON_INTERPRET was set: re-decorate.
-    for _name in ("kernels.triton_attention_kernel", "kernels.triton_attention",
-                  "kernels.triton_store_kv", "kernels"):
-        importlib.reload(importlib.import_module(_name))
+from tests.triton_device import DEVICE  # before kernels: sets the interpreter up
 
 from kernels import store_kv, store_kv_ref, store_kv_torch  # noqa: E402
 

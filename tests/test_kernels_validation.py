@@ -1,28 +1,16 @@
 """Wrapper boundary checks: bad arguments raise ValueError naming the problem."""
 
 import ast
-import importlib
 import math
-import os
 import pathlib
 import sys
 
+import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+from tests.triton_device import DEVICE  # before kernels: sets the interpreter up
 
 import kernels  # noqa: E402
-
-if DEVICE == "cpu" and not importlib.import_module("kernels.triton_attention")._interpreted():
-    # kernels was imported before TRITON_INTERPRET was set: re-decorate.
-    for _name in ("kernels.triton_attention_kernel", "kernels.triton_attention",
-                  "kernels.triton_store_kv", "kernels"):
-        importlib.reload(importlib.import_module(_name))
-
 from kernels import paged_attention, paged_attention_torch, store_kv, store_kv_torch  # noqa: E402
 
 
