@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import resolve_model_path
+from engine.model_path import resolve_model_path
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams

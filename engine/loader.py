@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import torch
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from safetensors import safe_open
 from torch import nn
 
 from engine.layers.linear import copy_weight
+# Re-exported for serve_app/app.py's check_model; new callers import engine.model_path (torch-free).
+from engine.model_path import resolve_model_path  # noqa: F401
 
 _INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors we recompute rather than load.
@@ -26,19 +26,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
     """For parameters every rank holds whole (norm weights)."""
     copy_weight(param.data, loaded_weight)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local directory as is; otherwise a hub id looked up in the local HF cache only."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        return Path(snapshot_download(str(model), local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
-        raise ValueError(f"model {model!r} is not a local directory and not in the Hugging Face cache "
-                         f"(this machine cannot download; copy the checkpoint here or pre-fill the cache): "
-                         f"{type(e).__name__}") from e
 
 
 def safetensors_files(path: Path) -> list[Path]:

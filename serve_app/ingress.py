@@ -26,10 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from transformers import AutoTokenizer
 
 from engine.detokenizer import decode_token
-from engine.loader import resolve_model_path
+from engine.model_path import resolve_model_path
 from engine.sampling_params import SamplingParams
 from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
 from serve_app.client import merge_streams, stream_from
@@ -53,6 +52,17 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # (Defined before the class: Serve serializes the deployment class when it is decorated.)
+def _load_tokenizer(model: str):
+    """The engine's tokenizer class (AutoTokenizer), so the prompt ids we send are the ones it would make."""
+    # Imported here, not at the top: transformers' AutoTokenizer imports torch whenever torch is
+    # installed (transformers 5: configuration_utils -> modeling_rope_utils). So importing this
+    # module stays torch-free, and where torch is not installed (an HTTP-tier image) transformers
+    # runs tokenizers-only; where it is installed, the replica loads it here, not at import.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+
+
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     try:
         return req.to_sampling_params()
@@ -67,7 +77,7 @@ class Ingress:
         self.args = args
         self.engine = engine
         self.guardrails = guardrails
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer or args.model))
+        self.tokenizer = _load_tokenizer(args.tokenizer or args.model)
         self.metrics = ServeMetrics(args.metrics_prefix, args.model_name)
         app.state.metrics = self.metrics  # error answers are counted by status too (http_util)
         self.batching = args.batching()
