@@ -3,6 +3,7 @@
 import ast
 import math
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -138,3 +139,22 @@ def test_kernels_import_only_torch_triton_math():
                 continue
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_cpu_path_does_not_import_triton():
+    # The engine's CPU layers import kernels.cpu_ops / kernels.cpu_attention; triton (and its
+    # start-up cost, or its absence on a CPU image) must not come with them. Fresh interpreter:
+    # this one has triton loaded already.
+    code = ("import sys\nfrom kernels import cpu_ops\nimport kernels.cpu_attention, engine.layers.attention\n"
+            "print('triton' in sys.modules)")
+    root = pathlib.Path(kernels.__file__).parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"]
+
+
+def test_package_names_still_resolve():
+    assert kernels.paged_attention is paged_attention and kernels.store_kv is store_kv
+    assert {"paged_attention", "store_kv_torch"} <= set(dir(kernels))
+    with pytest.raises(AttributeError, match="no_such_kernel"):
+        getattr(kernels, "no_such_kernel")
