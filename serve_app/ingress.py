@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -68,6 +68,41 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampling
         return req.to_sampling_params()
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+class _SSEResponse(StreamingResponse):
+    """A Generation's SSE answer; owns the request's admission slot and engine streams until it ends.
+
+    The cleanup is in __call__'s `finally`, not in the body generator's: Starlette starts the
+    generator only once http.response.start has gone out, so for a client gone before that
+    (the send fails, or its http.disconnect wins) the generator's `finally` never runs: the
+    slot would leak, and the engine would keep generating for nobody.
+    """
+
+    def __init__(self, gen: Generation, items, release: Callable[[], None]):
+        self._gen = gen
+        self._events = gen.sse()
+        self._items = items
+        self._release: Callable[[], None] | None = release
+        super().__init__(self._events, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
+
+    async def _end(self) -> None:
+        release, self._release = self._release, None
+        if release is None:  # ended already: the slot is released exactly once
+            return
+        release()  # first, and synchronously: nothing below can keep the slot taken
+        try:
+            await self._events.aclose()  # a started stream records its outcome (499: the client left)
+        finally:
+            # A stream that never started recorded nothing: the client left before the first byte.
+            self._gen.metrics.finished(499, time.monotonic() - self._gen.start, 0)  # no-op if recorded
+            await self._items.aclose()  # stops every engine stream of this request still running
 
 
 @serve.deployment(name="Ingress")
@@ -238,15 +273,8 @@ class Ingress:
         except BaseException:
             await items.aclose()
             raise
-        self._num_pending += 1  # the stream outlives this handler: released when it ends
-        return StreamingResponse(self._sse(gen, items), media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._num_pending += 1  # the stream outlives this handler: released when the response ends
+        return _SSEResponse(gen, items, self._release_pending)
 
-    async def _sse(self, gen: Generation, items):
-        events = gen.sse()
-        try:
-            async for event in events:
-                yield event
-        finally:
-            self._num_pending -= 1
-            await events.aclose()  # records the outcome (499 when the client went away)
-            await items.aclose()  # stops every engine stream of this request still running
+    def _release_pending(self) -> None:
+        self._num_pending -= 1

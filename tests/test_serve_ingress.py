@@ -1,0 +1,162 @@
+"""The Ingress replica driven over raw ASGI, as Serve runs it, with a fake engine handle (no Ray).
+
+What a client going away does to the replica: its admission slot comes back, its engine
+streams are cancelled, and the next request is answered, however early the client left.
+"""
+import asyncio
+import gc
+import json
+from types import SimpleNamespace
+
+import pytest
+from ray import serve
+from starlette.requests import ClientDisconnect
+
+from serve_app.args import AppArgs
+from serve_app.ingress import Ingress
+from serve_app.messages import Delta, StreamItem
+
+# Serve's ingress wrapper has an async __del__: collecting one outside a replica warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:coroutine '.*__del__' was never awaited:RuntimeWarning")
+
+MODEL = "tiny"
+DONE = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+class FakeStream:
+    """One engine request's stream: its items, then (still generating) nothing until cancelled."""
+
+    def __init__(self, items):
+        self._items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._items:
+            return self._items.pop(0)
+        await asyncio.Event().wait()  # the engine is still generating
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeEngine:
+    """The slice of the EngineDeployment handle the Ingress calls."""
+
+    def __init__(self):
+        self.streams: list[FakeStream] = []
+        self.finish = False  # whether a stream ends after its first token, or goes on
+        self.generate = self  # handle.generate.options(stream=True).remote(request)
+        self.model_info = SimpleNamespace(remote=self._model_info)
+
+    def options(self, **_):
+        return self
+
+    def remote(self, request):
+        items = [StreamItem(deltas=[Delta(0, "Hi", [5], finish_reason="length" if self.finish else None)],
+                            num_prompt_tokens=3, finished=self.finish)]
+        self.streams.append(FakeStream(items))
+        return self.streams[-1]
+
+    async def _model_info(self):
+        return {"max_model_len": 2048, "vocab_size": 10**6}
+
+
+@pytest.fixture
+def start_ingress(monkeypatch, tiny_llama):
+    """An Ingress as a Serve replica makes it: the wrapped class's async __init__; its routes find it
+    through the replica context."""
+    async def start(engine: FakeEngine, **args):
+        cls = Ingress.func_or_class
+        ingress = cls.__new__(cls)
+        await ingress.__init__(engine, None, AppArgs(model=tiny_llama, served_model_name=MODEL, max_batch_size=1,
+                                                     **args))
+        monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=ingress))
+        return ingress
+    yield start
+    monkeypatch.undo()
+    gc.collect()  # here, under this module's warning filter, not in some later test
+
+
+def _scope(body: bytes, spec_version: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+            "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+
+async def _post(ingress, payload: dict, client_gone: str | None = None) -> list[dict]:
+    """POST /v1/completions; the ASGI messages sent back. client_gone: when the client disconnects."""
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, **payload}).encode()
+    sent: list[dict] = []
+    first_chunk = asyncio.Event()
+    requests = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if requests:
+            return requests.pop()
+        if client_gone == "mid_stream":
+            await first_chunk.wait()
+        elif client_gone != "before_start":
+            await asyncio.Event().wait()  # connected until the response is done
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start" and client_gone == "send_fails":
+            raise OSError("Broken pipe")
+        if message["type"] == "http.response.start" and client_gone == "before_start":
+            await asyncio.Event().wait()  # the client stopped reading; its disconnect comes first
+        sent.append(message)
+        if message["type"] == "http.response.body" and message["body"]:
+            first_chunk.set()
+
+    # ASGI spec 2.4 servers report a gone client by failing the send; older ones by http.disconnect.
+    spec = "2.4" if client_gone == "send_fails" else "2.0"
+    try:
+        await asyncio.wait_for(ingress(_scope(body, spec), receive, send), timeout=30)
+    except ClientDisconnect:  # how Starlette reports the failed send
+        assert client_gone == "send_fails"
+    return sent
+
+
+def _count(ingress, status: int) -> float:
+    for line in ingress.metrics.render().decode().splitlines():
+        if line.startswith("rayllm_requests_total{") and f'status="{status}"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("client_gone", ["send_fails", "before_start", "mid_stream"])
+def test_client_gone_frees_its_slot_and_stops_the_engine(start_ingress, client_gone):
+    async def run():
+        engine = FakeEngine()
+        ingress = await start_ingress(engine, max_pending_requests=1)
+        await _post(ingress, {"stream": True}, client_gone=client_gone)
+        engine.finish = True
+        after = await _post(ingress, {"stream": False})  # the replica's one slot is free again
+        return ingress, engine, after
+
+    ingress, engine, after = asyncio.run(run())
+    assert after[0]["status"] == 200, after
+    assert json.loads(after[1]["body"])["choices"][0]["text"] == "Hi"
+    assert engine.streams[0].cancelled  # the engine stopped generating for the gone client
+    assert ingress._num_pending == 0
+    assert _count(ingress, 499) == 1  # the gone client is counted, once
+
+
+def test_stream_read_to_the_end_releases_its_slot_once(start_ingress):
+    async def run():
+        engine = FakeEngine()
+        engine.finish = True
+        ingress = await start_ingress(engine, max_pending_requests=1)
+        streamed = await _post(ingress, {"stream": True})
+        return ingress, engine, streamed
+
+    ingress, engine, streamed = asyncio.run(run())
+    assert streamed[0]["status"] == 200 and streamed[-1] == DONE
+    assert streamed[-2]["body"].endswith(b"data: [DONE]\n\n")
+    assert not engine.streams[0].cancelled  # it finished on its own
+    assert ingress._num_pending == 0  # not -1: released exactly once
+    assert (_count(ingress, 200), _count(ingress, 499)) == (1, 0)
