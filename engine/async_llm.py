@@ -2,8 +2,13 @@
 
     callers (event loop)                     step thread
     generate() -- make_request (validate) -> _pending ----> engine.add_request_state
-               <- per-request asyncio.Queue <-- call_soon_threadsafe(outputs)
+               <- RequestOutputCollector <-- one call_soon_threadsafe per step: every output
     abort()    ----------------------------> _pending ----> engine.abort_request
+
+Per step, the event loop is woken once for all requests, not once per request, and a
+reader that is behind gets its deltas merged (engine/output_collector.py). A caller may
+also ask for fewer, larger outputs (`stream_interval_s`): the first token and the end
+still come at once.
 
 The step loop runs in a thread: torch releases the GIL in the forward, so the
 event loop stays responsive. Engine state is touched only by that thread; the
@@ -16,13 +21,15 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 import uuid
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
+from engine.output_collector import RequestOutputCollector
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +43,7 @@ class AsyncLLM:
         config = config or EngineConfig(**kwargs)
         self.engine = LLMEngine(config)
         self._pending: collections.deque = collections.deque()  # ("add", state) | ("abort", request_id)
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, RequestOutputCollector]] = {}
         self._wakeup = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
@@ -62,7 +69,16 @@ class AsyncLLM:
 
     # -- public API -------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *,
+                       stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine makes them (by `sampling_params.output_kind`).
+
+        stream_interval_s > 0: after each output, wait that long (or until the request ends)
+        before taking the next, so DELTA outputs carry several steps' tokens. Serving uses it
+        to pay per chunk, not per token, on every hop downstream; 0 takes every step's output.
+        """
+        if stream_interval_s < 0:
+            raise ValueError(f"stream_interval_s={stream_interval_s} must be >= 0")
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
@@ -72,8 +88,8 @@ class AsyncLLM:
             state = self.engine.make_request(request_id, prompt, params)
         if request_id in self._waiters:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._waiters[request_id] = (asyncio.get_running_loop(), queue)
+        collector = RequestOutputCollector(aggregate=params.output_kind is RequestOutputKind.DELTA)
+        self._waiters[request_id] = (asyncio.get_running_loop(), collector)
         # The loop may have died (or stopped) between the check above and the registration:
         # it sets _error/_stop *before* it fails the waiters it can see, so checking again
         # after registering means this request is either failed by the loop or raised here.
@@ -84,11 +100,11 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await collector.get()
                 finished = item.finished
                 yield item
+                if stream_interval_s and not finished:
+                    await collector.wait_final(stream_interval_s)
         finally:
             self._waiters.pop(request_id, None)
             if not finished:  # cancelled, closed early or failed: free the engine's resources
@@ -127,13 +143,13 @@ class AsyncLLM:
             while not self._stop:
                 self._drain_pending()
                 if not self.engine.has_unfinished_requests():
-                    self._stats = self.engine.get_stats()
+                    self._stats = self._snapshot_stats()
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                self._stats = self.engine.get_stats()  # before delivery: a reader never sees stale stats
-                self._deliver(outputs)
+                self._stats = self._snapshot_stats()  # before delivery: a reader never sees stale stats
+                self._deliver([(out.request_id, out) for out in outputs])
         except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("engine step loop died")
             self._error = e
@@ -141,6 +157,10 @@ class AsyncLLM:
             return
         # Stopped: whoever registered after shutdown's aborts would otherwise wait forever.
         self._fail_all(EngineDeadError("the engine has been shut down"))
+
+    def _snapshot_stats(self) -> dict[str, float]:
+        # The step thread's own CPU time: what the engine costs, apart from the event loop's work.
+        return {**self.engine.get_stats(), "step_thread_cpu_s": time.thread_time()}
 
     def _drain_pending(self) -> None:
         while self._pending:
@@ -157,20 +177,27 @@ class AsyncLLM:
             elif op == "stop":
                 self._stop = True
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._deliver_one(out.request_id, out)
+    def _deliver(self, outputs: list) -> None:
+        """Hand (request_id, output or error) pairs to their readers: one wake-up per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in outputs:
+            waiter = self._waiters.get(request_id)
+            if waiter is not None:
+                by_loop.setdefault(waiter[0], []).append((request_id, waiter[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                self._pending.extend(("abort", request_id) for request_id, _, _ in batch)
 
     def _deliver_one(self, request_id: str, item) -> None:
-        waiter = self._waiters.get(request_id)
-        if waiter is None:
-            return
-        loop, queue = waiter
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            self._pending.append(("abort", request_id))
+        self._deliver([(request_id, item)])
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._waiters):
-            self._deliver_one(request_id, error)
+        self._deliver([(request_id, error) for request_id in list(self._waiters)])
+
+
+def _put_all(batch: list[tuple[str, RequestOutputCollector, RequestOutput | BaseException]]) -> None:
+    """On the readers' event loop: one step's outputs into their collectors."""
+    for _, collector, item in batch:
+        collector.put(item)

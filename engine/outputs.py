@@ -102,6 +102,32 @@ class RequestOutput:
     # else {prompt token: Logprob, plus the top-k}. DELTA outputs carry it once, when complete.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
+    def add(self, next_output: "RequestOutput") -> None:
+        """Append a later DELTA output of the same request to this one (the reader was behind).
+
+        Per completion index the new text, token ids and logprobs are concatenated and the
+        latest finish state wins; the request-level fields come from the later output.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for c in next_output.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                self.outputs.append(c)
+                self.outputs.sort(key=lambda o: o.index)
+                by_index[c.index] = c
+                continue
+            mine.text += c.text
+            mine.token_ids = mine.token_ids + c.token_ids
+            if c.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + c.logprobs
+            mine.cumulative_logprob = c.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+        if self.prompt_logprobs is None:  # a DELTA stream carries them once
+            self.prompt_logprobs = next_output.prompt_logprobs
+        self.finished = next_output.finished
+        self.metrics = next_output.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+
 
 @dataclass
 class ModelInput:

@@ -165,3 +165,39 @@ def test_shutdown_aborts_in_flight(make_llm):
         outs = [o async for o in gen]
         assert outs[-1].outputs[0].finish_reason == "abort"
     asyncio.run(main())
+
+
+def test_stream_interval_sends_fewer_larger_outputs_and_loses_nothing(make_llm):
+    llm = make_llm()
+    params = lambda: SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,  # noqa: E731
+                                    output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        every = await _collect(llm, "Once upon", params(), "every")
+        start = asyncio.get_running_loop().time()
+        chunked = [out async for out in llm.generate("Once upon", params(), "chunked", stream_interval_s=0.2)]
+        elapsed = asyncio.get_running_loop().time() - start
+        return every, chunked, elapsed
+    every, chunked, elapsed = asyncio.run(main())
+    ids = lambda outs: sum((o.outputs[0].token_ids for o in outs), [])  # noqa: E731
+    assert ids(chunked) == ids(every) and len(ids(chunked)) == 32
+    assert "".join(o.outputs[0].text for o in chunked) == "".join(o.outputs[0].text for o in every)
+    # The first output is not held back for an interval (which would gather ~all 32 tokens):
+    # it carries the first token, or two if a step finished before the reader woke.
+    assert len(chunked[0].outputs[0].token_ids) <= 2
+    assert len(chunked) < len(every) and chunked[-1].finished
+    # Held at most one interval per output: the end is not delayed by a whole interval after it.
+    assert elapsed < 0.2 * len(chunked) + 1.0
+
+
+def test_negative_stream_interval_is_rejected(make_llm):
+    llm = make_llm()
+
+    async def main():
+        with pytest.raises(ValueError, match="stream_interval_s"):
+            await _collect_interval(llm, -0.1)
+    asyncio.run(main())
+
+
+async def _collect_interval(llm, interval):
+    return [out async for out in llm.generate("hi", SamplingParams(max_tokens=2), "neg", stream_interval_s=interval)]
