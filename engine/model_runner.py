@@ -14,6 +14,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp_size
 from engine.forward_context import AttentionMetadata, set_forward_context
+from engine.gguf_config import gguf_source
 from engine.layers.attention import Attention
 from engine.layers.cpu_gemm import pack_module_weight
 from engine.layers.embed_head import ParallelLMHead
@@ -81,7 +82,13 @@ class ModelRunner:
                 model = cls(self.model_config, attention_backend=self.attention_backend)
         finally:
             torch.set_default_dtype(prev_dtype)
-        load_weights(model, model_path)
+        gguf_file = gguf_source(model_path)  # a GGUF's HF view links the weights' file
+        if gguf_file is not None:
+            from engine.gguf_loader import load_gguf_weights  # the gguf package only when needed
+
+            load_gguf_weights(model, gguf_file)
+        else:
+            load_weights(model, model_path)
         if self.device.type == "cpu":
             _pack_weights_for_cpu(model)
         return model.eval()

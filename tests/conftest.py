@@ -29,3 +29,14 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     return _build(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_view_cache(tmp_path_factory):
+    """GGUF views (engine.gguf_config) of this session's files go to a temporary cache, not ~/.cache."""
+    if "RAYLLM_GGUF_CACHE" in os.environ:
+        yield os.environ["RAYLLM_GGUF_CACHE"]
+        return
+    os.environ["RAYLLM_GGUF_CACHE"] = str(tmp_path_factory.mktemp("gguf-views"))
+    yield os.environ["RAYLLM_GGUF_CACHE"]
+    del os.environ["RAYLLM_GGUF_CACHE"]

@@ -1,0 +1,117 @@
+"""Write a GGUF file from an HF checkpoint directory, the way llama.cpp's convert_hf_to_gguf.py
+does for the families we run, so the tests make GGUFs without llama.cpp.
+
+Deliberately independent of engine.gguf_loader: tensor names come from the gguf package's
+own HF -> GGUF name map, and the Q/K permutation is llama.cpp's converter formula, so a
+loader bug cannot cancel out against a writer bug.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+from safetensors.numpy import load_file, save_file
+
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF's half-split RoPE rows -> interleaved."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def quantize_roundtrip(array: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes as GGUF stores them, their dequantized float32 values)."""
+    data = gguf.quants.quantize(array, qtype)
+    return data, gguf.quants.dequantize(data, qtype).astype(np.float32)
+
+
+def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F32,
+               extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Write `out` from the checkpoint in `hf_dir`, matrices in `qtype` (norms stay F32, as llama.cpp
+    keeps them), plus `extra` F32 tensors under GGUF names. Returns the weights the file holds,
+    dequantized, under HF names and in HF layout."""
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = _ARCHS[config["architectures"][0]]
+    writer = gguf.GGUFWriter(str(out), arch)
+    _add_hparams(writer, config)
+    _add_tokenizer(writer, hf_dir, config)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    stored = {}
+    for name, array in sorted(load_file(hf_dir / "model.safetensors").items()):
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        data, stored[name] = ((array, array) if array.ndim == 1 or qtype == GGMLQuantizationType.F32
+                              else quantize_roundtrip(array, qtype))
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, config["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, config["num_key_value_heads"])
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(gguf_name, data, raw_dtype=None if data.dtype == np.float32 else qtype)
+    for gguf_name, array in (extra or {}).items():
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def save_as_hf(hf_dir: str | Path, weights: dict[str, np.ndarray], out: str | Path) -> Path:
+    """A copy of the checkpoint in `hf_dir` with `weights` in place of its own (the HF reference
+    for a quantized GGUF: HF run on the weights the GGUF really holds)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
+    """A byte-level BPE vocabulary ("gpt2" in llama.cpp's terms), padded to the model's vocab
+    size with unused [PAD{i}] entries as llama.cpp's converter pads it."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    id_to_token = {i: t for t, i in tok["model"]["vocab"].items()}
+    specials = {t["id"] for t in tok["added_tokens"] if t["special"]}
+    tokens, types = [], []
+    for i in range(config["vocab_size"]):
+        tokens.append(id_to_token.get(i, f"[PAD{i}]"))
+        types.append(gguf.TokenType.UNUSED if i not in id_to_token
+                     else gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    for role, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        if tok_config.get(f"{role}_token"):
+            add(tok["model"]["vocab"][tok_config[f"{role}_token"]])
+    writer.add_add_bos_token(bool(tok_config.get("bos_token")))
+    writer.add_chat_template(tok_config["chat_template"])

@@ -1,0 +1,168 @@
+"""GGUF checkpoints: written here from tiny HF checkpoints (tests/gguf_writer.py), loaded by the engine,
+and run token for token against HF transformers on the weights the file really holds."""
+import random
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoTokenizer
+
+from engine import LLM, SamplingParams
+from engine.gguf_config import SUPPORTED_TENSOR_TYPES, find_gguf, hf_view
+from engine.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
+from engine.model_path import resolve_model_path
+from tests.gguf_writer import llama_cpp_permute, save_as_hf, write_gguf
+from tests.hf_reference import assert_matches, hf_greedy
+
+MAX_TOKENS = 16
+
+
+def _prompts(vocab_size: int, lens=(1, 7, 40, 130), seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lens]
+
+
+def _check_greedy(gguf_path, hf_path):
+    llm = LLM(str(gguf_path), dtype="float32", device="cpu")
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert_matches(out.outputs[0].token_ids, hf_greedy(str(hf_path), p, MAX_TOKENS), f"prompt of {len(p)}")
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_f32_gguf_equals_hf_checkpoint(arch, request, tmp_path):
+    hf_path = request.getfixturevalue(arch)
+    write_gguf(hf_path, tmp_path / "model.gguf", Q.F32)
+    _check_greedy(tmp_path / "model.gguf", hf_path)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_quantized_gguf_equals_hf_on_dequantized_weights(arch, qtype, request, tmp_path):
+    hf_path = request.getfixturevalue(arch)
+    stored = write_gguf(hf_path, tmp_path / "model.gguf", qtype)
+    reference = save_as_hf(hf_path, stored, tmp_path / "hf-dequantized")
+    _check_greedy(tmp_path / "model.gguf", reference)
+    if qtype == Q.Q4_0:  # the quantization must really have changed the model
+        original = LLM(hf_path, dtype="float32", device="cpu")
+        ids = {"prompt_token_ids": _prompts(original.llm_engine.model_config.vocab_size)[2]}
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        ours = LLM(str(tmp_path / "model.gguf"), dtype="float32", device="cpu")
+        assert (original.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+                != ours.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_directory_with_one_gguf_and_its_tokenizer(tiny_qwen2, tmp_path):
+    write_gguf(tiny_qwen2, tmp_path / "m.gguf", Q.Q8_0)
+    assert find_gguf(tmp_path) == tmp_path / "m.gguf"
+    view = resolve_model_path(str(tmp_path))
+    assert view == resolve_model_path(str(tmp_path / "m.gguf"))  # one cached view for both spellings
+    ours, theirs = AutoTokenizer.from_pretrained(view), AutoTokenizer.from_pretrained(tiny_qwen2)
+    text = "Hello world, the cat sat on the mat. 12345"
+    assert ours.encode(text) == theirs.encode(text)
+    chat = [{"role": "user", "content": "hi"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert ours.eos_token_id == theirs.eos_token_id
+    llm = LLM(str(tmp_path), device="cpu")
+    assert llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+def test_several_ggufs_in_a_directory_are_refused(tiny_qwen2, tmp_path):
+    write_gguf(tiny_qwen2, tmp_path / "a.gguf")
+    shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match="several GGUF files.*a.gguf, b.gguf"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_view_is_built_once(tiny_qwen2, tmp_path):
+    write_gguf(tiny_qwen2, tmp_path / "m.gguf")
+    view = hf_view(tmp_path / "m.gguf", cache_dir=tmp_path / "cache")
+    (view / "marker").write_text("kept")
+    assert hf_view(tmp_path / "m.gguf", cache_dir=tmp_path / "cache") == view
+    assert (view / "marker").is_file()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [view.name]  # no partial dirs left
+
+
+def _write_one_tensor(path, arch: str, name: str, data: np.ndarray, qtype) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _raw_bytes(qtype, rows: int, cols: int) -> tuple[np.ndarray, bool]:
+    """Bytes for a [rows, cols] tensor, and whether they came from real values: gguf quantizes
+    the legacy types; for the K-quants (no numpy quantizer) random blocks stand in."""
+    rng = np.random.default_rng(0)
+    try:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype), True
+    except NotImplementedError:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        return rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8), False
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TENSOR_TYPES)
+def test_dequantize_every_supported_type(qtype, tmp_path):
+    qtype = Q[qtype]
+    rows, cols = 4, 512
+    data, from_values = _raw_bytes(qtype, rows, cols)
+    _write_one_tensor(tmp_path / "t.gguf", "llama", "blk.0.ffn_up.weight", data, qtype)
+    tensor = gguf.GGUFReader(tmp_path / "t.gguf").tensors[0]
+    with np.errstate(invalid="ignore", over="ignore"):  # random K-quant scales may be inf or NaN
+        ours = dequantize_tensor(tensor)
+        theirs = gguf.quants.dequantize(data, qtype).astype(np.float32)
+    assert ours.shape == (rows, cols) and ours.dtype == np.float32  # HF layout: [out, in]
+    # (NaN == NaN here: random K-quant scales may spell one; the point is the same numbers)
+    np.testing.assert_array_equal(ours, theirs)
+    assert not from_values or np.isfinite(ours).all()
+    if qtype == Q.Q8_0:  # by hand: each block is an fp16 scale d and 32 int8 q; value = d * q
+        block = data.reshape(-1, 34)[0]
+        d = block[:2].view(np.float16).astype(np.float32)[0]
+        np.testing.assert_array_equal(ours[0, :32], d * block[2:].view(np.int8).astype(np.float32))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(6 * 16 * 3, dtype=np.float32).reshape(6 * 16, 3)  # 6 heads of 16 rows
+    np.testing.assert_array_equal(unpermute_rows(llama_cpp_permute(w, 6), 6), w)
+
+
+def test_tensor_names():
+    assert hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    _write_one_tensor(tmp_path / "g.gguf", "gemma2", "token_embd.weight", np.zeros((4, 32), np.float32), None)
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not supported"):
+        resolve_model_path(str(tmp_path / "g.gguf"))
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    data = np.zeros((4, 18 * 256 // 32), np.uint8)  # IQ4_NL: 18-byte blocks of 32
+    _write_one_tensor(tmp_path / "iq.gguf", "llama", "blk.0.ffn_up.weight", data, Q.IQ4_NL)
+    with pytest.raises(ValueError, match="tensor type.*IQ4_NL are not supported"):
+        LLM(str(tmp_path / "iq.gguf"), device="cpu")
+
+
+def test_unexpected_tensor_is_named(tiny_llama, tmp_path):
+    """A GGUF whose tensors do not match the config fails naming them (here: an extra layer's)."""
+    write_gguf(tiny_llama, tmp_path / "extra.gguf", extra={"blk.9.attn_norm.weight": np.ones(64, np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected tensors \['blk.9.attn_norm.weight'\]"):
+        LLM(str(tmp_path / "extra.gguf"), device="cpu")
+
+
+def test_weights_load_in_the_engine_dtype(tiny_qwen2, tmp_path):
+    write_gguf(tiny_qwen2, tmp_path / "m.gguf", Q.Q8_0)
+    llm = LLM(str(tmp_path / "m.gguf"), dtype="bfloat16", device="cpu")
+    model = llm.llm_engine.executor.runner.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
