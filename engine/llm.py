@@ -48,6 +48,28 @@ class LLM:
                 raise
         return [finished[s.request_id] for s in states]
 
+    def chat(self, messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the checkpoint's chat template (or `chat_template`), then generated as `generate`
+        does; one output per conversation, in order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations or not all(conversations):
+            raise ValueError("messages must be a non-empty conversation or a list of non-empty conversations")
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the model has no chat template; pass chat_template= or use generate()")
+        texts = tokenizer.apply_chat_template(conversations, chat_template=chat_template, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message)
+        # The template writes the special tokens itself (a BOS among them): encode without adding any,
+        # as the server's chat route does.
+        prompts = [{"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+                   for text in texts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
 
 def _broadcast_params(sampling_params, n: int) -> list[SamplingParams]:
     if sampling_params is None:

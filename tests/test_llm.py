@@ -282,3 +282,40 @@ def test_cuda_defaults_to_bf16_and_sizes_cache_from_memory(tiny_qwen3):
     assert runner.num_kv_blocks > 1000
     out = _run(llm, ["hello"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 16
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+def test_chat_renders_the_template_and_generates(tiny_qwen2):
+    llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [out] = llm.chat(CHAT, params, use_tqdm=False)
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and out.prompt == text
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    [same] = llm.generate([{"prompt_token_ids": out.prompt_token_ids}], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    # a list of conversations: one output each, in order; the flag reaches the template
+    other = [{"role": "user", "content": "Another one"}]
+    outs = llm.chat([other, CHAT], params, use_tqdm=False, add_generation_prompt=False)
+    assert [o.prompt for o in outs] == [tok.apply_chat_template(c, tokenize=False) for c in (other, CHAT)]
+
+
+def test_chat_template_brings_its_own_bos(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    bos = llm.get_tokenizer().bos_token_id
+    [out] = llm.chat(CHAT, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out.prompt_token_ids[0] == bos and out.prompt_token_ids[1] != bos  # not doubled
+
+
+def test_chat_refuses_empty_conversations_and_missing_templates(tiny_qwen2):
+    llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="non-empty conversation"):
+        llm.chat([], use_tqdm=False)
+    with pytest.raises(ValueError, match="non-empty conversation"):
+        llm.chat([CHAT, []], use_tqdm=False)
+    llm.get_tokenizer().chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(CHAT, use_tqdm=False)
