@@ -15,8 +15,6 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.linear import copy_weight
-# Re-exported for serve_app/app.py's check_model; new callers import engine.model_path (torch-free).
-from engine.model_path import resolve_model_path  # noqa: F401
 
 _INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors we recompute rather than load.

@@ -49,6 +49,7 @@ def engine_options(a: AppArgs, device: str) -> dict[str, Any]:
         # Ongoing requests per replica: enough to fill the engine's batch (max_num_seqs) with a queue behind it.
         "max_ongoing_requests": a.engine_max_ongoing_requests or 2 * a.max_num_seqs,
         "max_queued_requests": a.max_queued_requests,
+        "user_config": a.streaming().model_dump(),
         "health_check_period_s": a.health_check_period_s,
         "health_check_timeout_s": a.health_check_timeout_s,
         "graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
@@ -80,7 +81,7 @@ def ingress_options(a: AppArgs) -> dict[str, Any]:
 def check_model(a: AppArgs) -> None:
     """Fail at build time, naming the arg, when the checkpoint is missing or of an unsupported kind."""
     from engine.config import ModelConfig
-    from engine.loader import resolve_model_path
+    from engine.model_path import resolve_model_path
 
     try:
         ModelConfig.from_pretrained(resolve_model_path(a.model))

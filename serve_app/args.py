@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.config import EngineConfig
 from serve_app.guardrail_policy import GuardrailPolicy
 
+STREAM_INTERVAL_MS = 20.0
 _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
@@ -30,6 +31,18 @@ class BatchingConfig(BaseModel):
     # Admission control: requests in flight in one Ingress replica beyond which it answers
     # 503 + Retry-After instead of queueing. None: never shed.
     max_pending_requests: int | None = Field(None, ge=0)
+
+
+class StreamingConfig(BaseModel):
+    """What `user_config` may change on a running EngineDeployment (`reconfigure()`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Between two streamed items of one request, wait up to this long so that each carries
+    # several steps' tokens: every item costs a Ray message and per-item work in the
+    # Ingress and the proxy. The first token and the end are never held back.
+    # 0: an item per engine step (per token when the replica keeps up). Measured: docs/benchmarks.md.
+    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=1000.0)
 
 
 class AppArgs(BaseModel):
@@ -60,6 +73,9 @@ class AppArgs(BaseModel):
     # -- micro-batching in the Ingress (initial values; user_config can change them live) --
     max_batch_size: int = Field(8, ge=1)
     batch_wait_timeout_s: float = Field(0.0, ge=0.0, le=10.0)
+
+    # -- chunked streaming out of the engine replica (user_config can change it live) --
+    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=1000.0)
 
     # -- replicas, autoscaling and load shedding --
     min_replicas: int = Field(1, ge=0)
@@ -122,6 +138,9 @@ class AppArgs(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gb=self.cpu_kv_cache_gb,
             enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend, seed=self.seed)
+
+    def streaming(self) -> StreamingConfig:
+        return StreamingConfig(stream_interval_ms=self.stream_interval_ms)
 
     def batching(self) -> BatchingConfig:
         return BatchingConfig(max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,

@@ -2,13 +2,17 @@
 
     Ingress/Guardrails --EngineRequest--> generate() --StreamItem, StreamItem, ...--> caller
 
-Cancellation: when the caller goes away, Serve cancels the task iterating `generate()`;
-the pump task that reads the engine is cancelled with it, which closes the engine's
-iterator, which aborts the request and frees its KV blocks at the next step boundary.
+Chunking: every item costs a Ray message here and a hop of work in each process after it,
+whatever it carries. So an item carries every token made since the last one: the engine's
+output collector merges the steps a busy reader missed, and `stream_interval_ms` (live,
+via user_config) waits that long between items. The first item and the last are never held.
+
+Cancellation: when the caller goes away, Serve cancels the task iterating `generate()`,
+which closes the engine's iterator, which aborts the request and frees its KV blocks at
+the next step boundary.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -19,7 +23,7 @@ from ray import serve
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
-from serve_app.args import AppArgs
+from serve_app.args import AppArgs, StreamingConfig
 from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
 from serve_app.placement import expose_bundle_gpus
 
@@ -36,6 +40,7 @@ class EngineDeployment:
         self.llm = AsyncLLM(args.engine_config(device))
         self._shutting_down = False
         self._replica = _replica_tag()
+        self.streaming = args.streaming()  # reconfigure() replaces it when user_config is set
         cfg = self.llm.engine_config
         logger.info("engine replica %s ready: max_model_len=%d", self._replica, cfg.max_model_len)
 
@@ -45,10 +50,11 @@ class EngineDeployment:
         params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
         logger.debug("generate %s batch %s", request.request_id, request.batch_id)
-        outputs = self.llm.generate(prompt, params, request.request_id)
+        outputs = self.llm.generate(prompt, params, request.request_id,
+                                    stream_interval_s=self.streaming.stream_interval_ms / 1000)
         # aclosing: however this generator ends (cancelled, closed at a yield), the chain
         # below is closed now, not at garbage collection, and the engine aborts the request.
-        async with contextlib.aclosing(_coalesce(_to_items(outputs, self))) as items:
+        async with contextlib.aclosing(_to_items(outputs, self)) as items:
             async for item in items:
                 yield item
 
@@ -62,6 +68,11 @@ class EngineDeployment:
         return StreamError("internal", "The engine failed while serving this request.")
 
     # -- control ----------------------------------------------------------------------
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve calls this with the deployment's user_config, at start and on every change."""
+        self.streaming = StreamingConfig.model_validate(user_config)
+        logger.info("engine replica %s streaming: %s", self._replica, self.streaming)
+
     async def model_info(self) -> dict[str, Any]:
         cfg, mcfg = self.llm.engine_config, self.llm.model_config
         return {"max_model_len": cfg.max_model_len, "vocab_size": mcfg.vocab_size,
@@ -119,65 +130,3 @@ def _logprobs(entries) -> list | None:
     if entries is None:
         return None
     return [[(tid, lp.logprob, lp.rank, lp.decoded_token or "") for tid, lp in d.items()] for d in entries]
-
-
-async def _coalesce(items: AsyncIterator[StreamItem]) -> AsyncIterator[StreamItem]:
-    """Yield items as they come, merging those that pile up while the previous one is being sent.
-
-    Under load the replica's event loop sends slower than the engine steps, so one Ray
-    message carries several steps' tokens instead of one message per token.
-    """
-    buffer: list[StreamItem] = []
-    ready = asyncio.Event()
-
-    async def pump() -> None:
-        try:
-            async for item in items:
-                buffer.append(item)
-                ready.set()
-        finally:
-            ready.set()
-
-    task = asyncio.create_task(pump())
-    try:
-        while True:
-            await ready.wait()
-            ready.clear()
-            if buffer:
-                merged = merge_items(buffer)
-                buffer.clear()
-                yield merged
-                if merged.finished:
-                    break
-            elif task.done():
-                break
-        task.result()  # surface a pump failure
-    finally:
-        task.cancel()  # the caller is gone: closing the engine iterator aborts the request
-        await asyncio.gather(task, return_exceptions=True)
-        await items.aclose()
-
-
-def merge_items(items: list[StreamItem]) -> StreamItem:
-    """Concatenate the per-completion deltas of consecutive items (same index -> one delta)."""
-    if len(items) == 1:
-        return items[0]
-    last = items[-1]
-    merged: dict[int, Delta] = {}
-    for item in items:
-        for d in item.deltas:
-            m = merged.get(d.index)
-            if m is None:
-                merged[d.index] = Delta(d.index, d.text, list(d.token_ids),
-                                        list(d.logprobs) if d.logprobs is not None else None,
-                                        d.finish_reason, d.stop_reason)
-                continue
-            m.text += d.text
-            m.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + d.logprobs
-            m.finish_reason, m.stop_reason = d.finish_reason or m.finish_reason, d.stop_reason or m.stop_reason
-    prompt_logprobs = next((i.prompt_logprobs for i in items if i.prompt_logprobs is not None), None)
-    return StreamItem(deltas=list(merged.values()), num_prompt_tokens=last.num_prompt_tokens,
-                      num_cached_tokens=last.num_cached_tokens, finished=last.finished, error=last.error,
-                      stats=last.stats, prompt_logprobs=prompt_logprobs)

@@ -51,3 +51,10 @@ def reconfigure_ingress(user_config: dict[str, Any]) -> None:
     from ray import serve
 
     serve.get_deployment_handle("Ingress", app_name=APP_NAME).reconfigure.remote(user_config).result()
+
+
+def reconfigure_engine(user_config: dict[str, Any]) -> None:
+    """Apply an EngineDeployment user_config on its running replica (one replica: benchmarks, tests)."""
+    from ray import serve
+
+    serve.get_deployment_handle("EngineDeployment", app_name=APP_NAME).reconfigure.remote(user_config).result()

@@ -1,4 +1,4 @@
-"""The engine deployment (no Ray): delta conversion, coalescing, cancellation, errors, health, shutdown."""
+"""The engine deployment (no Ray): delta conversion, chunking, cancellation, errors, health, shutdown."""
 import asyncio
 
 import pytest
@@ -6,8 +6,9 @@ import pytest
 from engine.async_llm import EngineDeadError
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
-from serve_app.engine_deployment import SHUTDOWN_MESSAGE, EngineDeployment, _coalesce, merge_items, to_stream_item
-from serve_app.messages import Delta, EngineRequest, StreamItem
+from serve_app.args import StreamingConfig
+from serve_app.engine_deployment import SHUTDOWN_MESSAGE, EngineDeployment, to_stream_item
+from serve_app.messages import EngineRequest
 
 
 def test_to_stream_item_is_compact():
@@ -25,66 +26,16 @@ def test_to_stream_item_is_compact():
     assert to_stream_item(out).prompt_logprobs == [[(2, -1.5, 4, "x"), (9, -0.5, 1, "y")], [(3, -0.2, 1, "z")]]
 
 
-def test_merge_items_concatenates_per_completion():
-    a = StreamItem([Delta(0, "a", [1], logprobs=[[(1, -1.0, 1, "a")]]), Delta(1, "x", [9])], num_prompt_tokens=3)
-    b = StreamItem([Delta(0, "b", [2], logprobs=[[(2, -2.0, 1, "b")]], finish_reason="length")],
-                   num_prompt_tokens=3, finished=True)
-    m = merge_items([a, b])
-    d0, d1 = sorted(m.deltas, key=lambda d: d.index)
-    assert (d0.text, d0.token_ids, d0.finish_reason) == ("ab", [1, 2], "length")
-    assert [e[0][0] for e in d0.logprobs] == [1, 2]
-    assert (d1.text, d1.token_ids) == ("x", [9])
-    assert m.finished and m.num_prompt_tokens == 3
-    a.prompt_logprobs = [[(7, -1.0, 1, "p")]]
-    assert merge_items([a, b]).prompt_logprobs == [[(7, -1.0, 1, "p")]]  # sent once, kept when merged
-    assert a.deltas[0].text == "a"  # inputs untouched
-
-
-def test_coalesce_merges_what_piles_up():
-    async def source():
-        for i in range(5):  # produced all at once, faster than the reader
-            yield StreamItem([Delta(0, str(i), [i])], finished=i == 4)
-
-    async def run():
-        out = []
-        async for item in _coalesce(source()):
-            out.append(item)
-            await asyncio.sleep(0.01)  # a slow sender
-        return out
-    out = asyncio.run(run())
-    assert "".join(d.text for item in out for d in item.deltas) == "01234"
-    assert len(out) < 5 and out[-1].finished
-
-
-def test_coalesce_closing_early_closes_the_source():
-    closed = asyncio.Event()
-
-    async def endless():
-        try:
-            i = 0
-            while True:
-                await asyncio.sleep(0.001)
-                i += 1
-                yield StreamItem([Delta(0, "x", [i])])
-        finally:
-            closed.set()  # in the engine, this is where the request is aborted
-
-    async def run():
-        stream = _coalesce(endless())
-        await stream.__anext__()
-        await stream.aclose()  # what Serve does when the caller is cancelled
-        return closed.is_set()
-    assert asyncio.run(run())
-
-
 # -- the deployment class itself, around a fake engine (no Ray, no model) ----------------------
 
 class FakeLLM:
     def __init__(self, outputs=(), error=None, dead=False):
         self.outputs, self.error, self.dead = list(outputs), error, dead
         self.shutdowns = 0
+        self.stream_intervals = []
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0):
+        self.stream_intervals.append(stream_interval_s)
         if self.error:
             raise self.error
         for out in self.outputs:
@@ -104,6 +55,7 @@ class FakeLLM:
 def _deployment(llm) -> EngineDeployment:
     dep = object.__new__(EngineDeployment.func_or_class)
     dep.llm, dep._shutting_down, dep._replica = llm, False, "test"
+    dep.streaming = StreamingConfig()
     return dep
 
 
@@ -147,3 +99,18 @@ def test_shutdown_aborts_once():
     dep.__del__()
     dep.__del__()
     assert llm.shutdowns == 1
+
+
+def test_reconfigure_sets_the_stream_interval_live():
+    llm = FakeLLM([_output("a", "length", True)])
+    dep = _deployment(llm)
+    _run(dep)
+    dep.reconfigure({"stream_interval_ms": 50})
+    _run(dep)
+    dep.reconfigure({"stream_interval_ms": 0})
+    _run(dep)
+    assert llm.stream_intervals == [StreamingConfig().stream_interval_ms / 1000, 0.05, 0.0]
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        dep.reconfigure({"stream_interval_ms": -1})
+    with pytest.raises(ValueError, match="stream_interval"):
+        dep.reconfigure({"stream_intervals_ms": 5})  # a typo is not ignored
