@@ -25,6 +25,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 _ENGINE_GAUGES = {  # engine stats key -> (metric suffix, help)
     "num_requests_running": ("num_requests_running", "Requests running in the engines (scheduled this step)."),
@@ -55,6 +56,12 @@ class ServeMetrics:
         self.generation_tokens = Counter(f"{prefix}_generation_tokens", "Generated tokens.", labels, registry=r)
         self.batch_size = Histogram(f"{prefix}_ingress_batch_size", "Requests per Ingress micro-batch.",
                                     labels, buckets=_BATCH_BUCKETS, registry=r)
+        # Tokens per streamed message, per hop: `_count` over `_sum` is messages per token, the
+        # figure that says whether a hop pays per token or per chunk (loadtest.overhead reads it).
+        self.chunk_tokens = Histogram(f"{prefix}_stream_chunk_tokens",
+                                      "Tokens per streamed message: hop engine (engine replica -> Ingress) "
+                                      "or client (Ingress -> HTTP client).",
+                                      labels + ["hop"], buckets=_CHUNK_BUCKETS, registry=r)
         self.guardrail = Counter(f"{prefix}_guardrail_outcomes",
                                  "JSON guardrail validations of a completion: outcome passed|retried|rejected, "
                                  "reason none|redacted or the violation (docs/guardrails.md).",
@@ -105,6 +112,9 @@ class RequestMetrics:
     def guardrail_outcomes(self, outcomes: list[tuple[str, str]]) -> None:
         for outcome, reason in outcomes:
             self._m.count_guardrail(outcome, reason)
+
+    def chunk(self, hop: str, num_tokens: int) -> None:
+        self._m.chunk_tokens.labels(self._m.model_name, hop).observe(num_tokens)
 
     def ttft(self, seconds: float) -> None:
         self._m.ttft.labels(self._m.model_name).observe(seconds)

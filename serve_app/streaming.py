@@ -73,7 +73,10 @@ class Generation:
         if item.error is not None:
             raise to_openai_error(item.error, self.retry_after_s)
 
-    def _observe(self, item: StreamItem) -> None:
+    def _observe(self, item: StreamItem) -> int:
+        """Record what an item says for the metrics; returns its number of new tokens."""
+        num_tokens = sum(len(d.token_ids) for d in item.deltas)
+        self.metrics.chunk("engine", num_tokens)
         if item.stats is not None:
             self.metrics.engine_stats(item.stats)
         if item.guardrail_outcomes:
@@ -81,6 +84,7 @@ class Generation:
         if not self._first_token_seen and any(d.token_ids for d in item.deltas):
             self._first_token_seen = True
             self.metrics.ttft(time.monotonic() - self.start)
+        return num_tokens
 
     async def _all(self) -> AsyncIterator[tuple[int, StreamItem]]:
         if self._first is not None:
@@ -108,9 +112,11 @@ class Generation:
         status = 200
         try:
             async for i, item in self._all():
-                self._observe(item)
-                for chunk in self.builder.add(i, item, stream=True):
-                    yield sse(chunk)
+                num_tokens = self._observe(item)
+                chunks = self.builder.add(i, item, stream=True)
+                if chunks:  # one write per item, however many chunks (choices, role) it makes
+                    self.metrics.chunk("client", num_tokens)
+                    yield "".join(sse(chunk) for chunk in chunks)
                 if item.error is not None:
                     err = to_openai_error(item.error, self.retry_after_s)
                     status = err.status_code
