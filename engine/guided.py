@@ -7,8 +7,10 @@
 
 Grammar options: strict mode (objects hold only the properties the schema declares unless
 `additionalProperties`/`patternProperties` allow more; OpenAI's "strict" contract), no free
-whitespace and compact separators (",", ":"): a model cannot pad forever with spaces, and the
-output is as short as JSON gets. On top of the grammar, constrained rows never allow tokens with
+whitespace (a model cannot pad forever with spaces) and the separators trained models write,
+(", ", ": "): forcing compact ",", ":" pushes a model off its own distribution, and on
+SmolLM2-135M-Instruct it turned "Maria is 34" into "age": 23 on 2 of 5 extraction prompts
+at temperature 0 (5 of 5 right with ": "; tests/test_real_model.py). On top of the grammar, constrained rows never allow tokens with
 raw control bytes or special tokens other than the stop tokens (see `_writable_token_ids`).
 
 What xgrammar 0.2.8 does with each keyword (found by compiling schemas and reading the grammar):
@@ -48,7 +50,7 @@ import xgrammar as xgr
 
 from engine.sampling_params import StructuredOutputsParams
 
-_GRAMMAR_OPTIONS = dict(any_whitespace=False, separators=(",", ":"), strict_mode=True)
+_GRAMMAR_OPTIONS = dict(any_whitespace=False, separators=(", ", ": "), strict_mode=True)
 _JSON_OBJECT_SCHEMA = {"type": "object"}  # json_object: any JSON document whose top level is an object
 
 XGRAMMAR_FORMATS = frozenset({

@@ -151,7 +151,7 @@ def test_bitmask_layout_matches_xgrammar(manager, tok):
 
 def test_matcher_walks_a_valid_document_and_finishes(manager, tok):
     matcher = manager.new_matcher(manager.compile(_json(ORDER)))
-    ids = _ids(tok, '{"id":12,"status":"paid","items":[{"sku":"ab","qty":3}]}')
+    ids = _ids(tok, '{"id": 12, "status": "paid", "items": [{"sku": "ab", "qty": 3}]}')
     for t in ids:
         assert not matcher.is_finished()
         assert t in _allowed(manager.fill_bitmask([matcher])[0])
@@ -236,7 +236,7 @@ def mixed_batch(llm, tok):
                for seed in range(6)]
     prompts += ["Order:", "The plain request"]
     # ignore_eos: the scheduler would never stop it; the grammar's end of document must.
-    params += [SamplingParams(temperature=1.0, seed=7, max_tokens=80, ignore_eos=True, structured_outputs=_json(ORDER)),
+    params += [SamplingParams(temperature=1.0, seed=7, max_tokens=160, ignore_eos=True, structured_outputs=_json(ORDER)),
                PLAIN]
     return llm.generate(prompts, params, use_tqdm=False)
 

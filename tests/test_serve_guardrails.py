@@ -289,9 +289,9 @@ def test_greedy_violation_is_not_retried(client, http):
 
 
 def test_json_object_is_an_object_or_a_422(base_url):
-    bodies = [dict(response_format={"type": "json_object"}, temperature=1.0, seed=28, max_tokens=128),  # finishes
-              dict(response_format={"type": "json_object"}, temperature=0, max_tokens=64),  # never closes its key
-              dict(response_format={"type": "json_object"}, temperature=1.0, seed=28, max_tokens=128, stream=True)]
+    bodies = [dict(response_format={"type": "json_object"}, temperature=1.0, seed=1, max_tokens=128),  # finishes
+              dict(response_format={"type": "json_object"}, temperature=0, max_tokens=16),  # cut off: it closes at 33
+              dict(response_format={"type": "json_object"}, temperature=1.0, seed=1, max_tokens=128, stream=True)]
     finished, greedy, streamed = asyncio.run(_chat(base_url, bodies))
     assert isinstance(json.loads(finished.choices[0].message.content), dict)
     assert isinstance(json.loads(streamed[0]), dict) and streamed[0] == finished.choices[0].message.content
@@ -359,7 +359,7 @@ def test_stream_violation_after_bytes_were_sent_is_an_error_event_then_done(http
     assert status == 200, events
     assert events[-1] == "[DONE]"
     content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2])
-    assert content.startswith('{"text":"') and len(content) > 10  # streamed as it came
+    assert content.startswith('{"text": "') and len(content) > 10  # streamed as it came
     err = events[-2]["error"]
     assert (err["type"], err["code"]) == ("guardrail_violation", "invalid_json")
     assert "after 1 attempt(s)" in err["message"] and "already been streamed" in err["message"]
