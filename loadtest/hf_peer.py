@@ -6,6 +6,7 @@ Both take the same `BenchRequest`s as our engine and run under
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -35,13 +36,36 @@ class PeerResult:
 
 def load_hf_model(path: str, dtype: torch.dtype, device: str, **kwargs):
     """`from_pretrained` in the given dtype on either side of the transformers 5 rename
-    (torch_dtype -> dtype; 4.x would silently store an unknown `dtype` kwarg in the config)."""
+    (torch_dtype -> dtype; 4.x would silently store an unknown `dtype` kwarg in the config).
+    A GGUF's HF view (engine.gguf_config) is read by transformers' own GGUF code."""
     from transformers import AutoModelForCausalLM
 
+    from engine.gguf_config import gguf_source
+
+    gguf_file = gguf_source(Path(path))
+    if gguf_file is not None:
+        return load_hf_from_gguf(path, gguf_file, dtype).to(device).eval()
     major = int(transformers.__version__.split(".")[0])
     dtype_kw = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
     model = AutoModelForCausalLM.from_pretrained(path, **dtype_kw, **kwargs)
     return model.to(device).eval()
+
+
+def load_hf_from_gguf(view: str | Path, gguf_file: Path, dtype: torch.dtype = torch.float32):
+    """HF on a GGUF: transformers' own dequantization and Q/K un-permutation (not ours). Not
+    `from_pretrained(gguf_file=)`, which insists on accelerate: the model is built from the
+    view's config and given the tensors transformers read from the file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(view), dtype=dtype)
+    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"{gguf_file.name}: transformers' tensors do not fit the model: "
+                         f"missing {missing[:10]}, unexpected {unexpected[:10]}")
+    model.tie_weights()
+    return model
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """CPU offline throughput: our engine against HF static batching on the ~20M bench model.
 
     python -m loadtest.offline [--num-requests 64] [--seed 0] [--skip-hf] [--quick]
+    python -m loadtest.offline --model models/smollm2-135m-instruct    # a real checkpoint (HF dir or GGUF)
 
 BENCHMARKS.md "CPU, offline throughput": 64 requests, prompts of random ids with
 length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
@@ -86,7 +87,7 @@ def build_report(args, requests, shape: ModelShape, flop_rate: float, ours: Stop
                      "prompt_len_range": list(args.prompt_len), "output_len_range": list(args.output_len),
                      "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "num_useful_output_tokens": useful},
-        "model": {"path": str(args.model_dir), **shape.__dict__,
+        "model": {"path": args.model or str(args.model_dir), **shape.__dict__,
                   "non_embedding_params": shape.non_embedding_params},
         "matmul_fp32_flop_rate": flop_rate,
         "limit": {"flops": flops, "time_s": limit_s},
@@ -135,7 +136,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true", help="skip the timed HF peers (the greedy check still runs)")
     ap.add_argument("--quick", action="store_true", help="a small workload for a smoke test")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, same for every peer")
-    ap.add_argument("--model-dir", type=Path, default=Path("bench_out/model-bench"))
+    ap.add_argument("--model", default=None,
+                    help="a checkpoint to run instead of the bench model: HF directory, hub id in the cache, "
+                         ".gguf file or a directory holding one (engine and HF both run it in float32)")
+    ap.add_argument("--model-dir", type=Path, default=Path("bench_out/model-bench"),
+                    help="where the bench model is built when --model is not given")
     ap.add_argument("--out", type=Path, default=Path("bench_out/offline.json"))
     args = ap.parse_args(argv)
     if args.num_requests < 1 or args.threads < 1:
@@ -151,7 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_path = ensure_bench_model(args.model_dir)
+    if args.model:
+        from engine.model_path import resolve_model_path
+
+        model_path = resolve_model_path(args.model)  # a GGUF: its HF view, which both sides load
+    else:
+        model_path = ensure_bench_model(args.model_dir)
     config = json.loads((model_path / "config.json").read_text())
     shape = ModelShape.from_hf_config(config, bytes_per_param=4)
     requests = make_offline_workload(args.num_requests, args.seed, config["vocab_size"],

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.gguf_config import gguf_source
+from loadtest.hf_peer import load_hf_from_gguf
 
 NEAR_TIE = 1e-3  # steps whose top-2 logit gap is below this may legitimately flip
 
@@ -23,24 +24,9 @@ class Reference:
 @functools.lru_cache(maxsize=4)
 def load_hf(path: str):
     gguf_file = gguf_source(Path(path))
-    if gguf_file is not None:
-        return _load_hf_from_gguf(path, gguf_file)
+    if gguf_file is not None:  # transformers' own GGUF reading, not ours
+        return load_hf_from_gguf(path, gguf_file).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _load_hf_from_gguf(view: str, gguf_file: Path):
-    """HF on a GGUF's view (engine.gguf_config): transformers' own GGUF reading (its dequantization
-    and Q/K un-permutation, not ours). Not `from_pretrained(gguf_file=)`, which insists on
-    accelerate: the model is built from the view's config and given the tensors transformers read."""
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(view), dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> Reference:
