@@ -89,6 +89,10 @@ class AppArgs(BaseModel):
     max_pending_requests: int | None = Field(None, ge=0)
     retry_after_s: int = Field(1, ge=0)
     engine_num_cpus: float = Field(1.0, ge=0.0)
+    # torch threads of a CPU engine replica (split over its TP ranks). Ray sets OMP_NUM_THREADS
+    # to the actor's num_cpus (1), which made the served engine single-threaded: 0.46 of the
+    # engine's offline speed (docs/benchmarks.md). None: every core the replica may run on.
+    engine_cpu_threads: int | None = Field(None, ge=1)
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.routing);
     # "power_of_two": Serve's default, a choice per request.
     request_router: Literal["batch_affinity", "power_of_two"] = "batch_affinity"

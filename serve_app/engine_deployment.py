@@ -25,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
-from serve_app.placement import expose_bundle_gpus
+from serve_app.placement import expose_bundle_gpus, use_cpu_threads
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
@@ -35,8 +35,11 @@ SHUTDOWN_MESSAGE = "The request was aborted: the engine replica is shutting down
 @serve.deployment(name="EngineDeployment")
 class EngineDeployment:
     def __init__(self, args: AppArgs, device: str):
+        self._cpu_threads = None
         if device == "cuda":
             expose_bundle_gpus(args.tensor_parallel_size)
+        else:
+            self._cpu_threads = use_cpu_threads(args.engine_cpu_threads, args.tensor_parallel_size)
         self.llm = AsyncLLM(args.engine_config(device))
         self._shutting_down = False
         self._replica = _replica_tag()
@@ -79,7 +82,8 @@ class EngineDeployment:
                 "eos_token_ids": list(mcfg.eos_token_ids)}
 
     async def get_stats(self) -> dict[str, Any]:
-        return {"replica": self._replica, "time": time.time(), **self.llm.get_stats()}
+        return {"replica": self._replica, "time": time.time(), "cpu_threads": self._cpu_threads,
+                **self.llm.get_stats()}
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising makes it replace the replica."""

@@ -38,6 +38,23 @@ def engine_placement(device: str, tensor_parallel_size: int, num_cpus: float) ->
     return {"ray_actor_options": actor, "placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
 
 
+def use_cpu_threads(num_threads: int | None, tensor_parallel_size: int) -> int:
+    """Give a CPU engine replica's torch the cores it is meant to use; returns threads per rank.
+
+    Ray exports OMP_NUM_THREADS = the actor's num_cpus (1 by default) into every worker, a
+    scheduling reservation that would otherwise become the engine's compute width. The
+    replica's TP ranks are spawned processes: they read OMP_NUM_THREADS, so it is set too.
+    """
+    import torch
+
+    total = num_threads or len(os.sched_getaffinity(0))
+    per_rank = max(1, total // tensor_parallel_size)
+    os.environ["OMP_NUM_THREADS"] = str(per_rank)
+    torch.set_num_threads(per_rank)
+    logger.info("CPU engine: %d torch threads per rank", per_rank)
+    return per_rank
+
+
 def expose_bundle_gpus(tensor_parallel_size: int) -> None:
     """Make the GPUs of all of this replica's bundles visible to its TP worker processes.
 

@@ -1,6 +1,7 @@
 """Application args, deployment options and deploy/config.yaml (no Ray cluster)."""
 from pathlib import Path
 
+import os
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
@@ -84,3 +85,19 @@ def test_deploy_config_is_a_valid_serve_config():
     ingress = next(d for d in app.deployments if d.name == "Ingress")
     from serve_app.args import BatchingConfig
     BatchingConfig.model_validate(ingress.user_config)
+
+
+def test_cpu_threads_split_over_tp_ranks(monkeypatch):
+    import torch
+
+    from serve_app.placement import use_cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray exports into a 1-CPU actor
+    before = torch.get_num_threads()
+    try:
+        assert use_cpu_threads(4, tensor_parallel_size=2) == 2
+        assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"  # spawned ranks read it
+        assert use_cpu_threads(None, tensor_parallel_size=1) == len(os.sched_getaffinity(0))
+        assert use_cpu_threads(1, tensor_parallel_size=4) == 1
+    finally:
+        torch.set_num_threads(before)

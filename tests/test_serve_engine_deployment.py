@@ -54,7 +54,7 @@ class FakeLLM:
 
 def _deployment(llm) -> EngineDeployment:
     dep = object.__new__(EngineDeployment.func_or_class)
-    dep.llm, dep._shutting_down, dep._replica = llm, False, "test"
+    dep.llm, dep._shutting_down, dep._replica, dep._cpu_threads = llm, False, "test", None
     dep.streaming = StreamingConfig()
     return dep
 
