@@ -5,6 +5,8 @@
 #   bash loadtest/gpu_session.sh A         # BENCHMARKS.md workload A (Qwen3-0.6B shape)
 #   bash loadtest/gpu_session.sh B         # workload B (Llama-3.1-8B shape)
 #   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
+#   bash loadtest/gpu_session.sh overhead  # issue 8: engine vs AsyncLLM vs the Serve app, stream intervals
+#                                          # (needs Ray, FastAPI on PYTHONPATH: shared/gpu/serve_on_device.md)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
 # jsonschema: carry their wheels (docs/benchmarks.md, "GPU tests") and put them on
 # PYTHONPATH first, or the guided tests skip. Logs and JSON go to $OUT (or bench_out/gpu).
@@ -30,5 +32,12 @@ case "$stage" in
   smoke)
     python3 -m loadtest.gpu_bench --workload A --quick --peer-timeout 120 --out "$out/gpu_bench_smoke.json" \
       2>&1 | tee "$out/gpu_bench_smoke.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|A|B|smoke)"; exit 2 ;;
+  overhead)
+    # The Serve path runs first: its replica is a separate process, so the driver's engines
+    # that follow find the GPU memory free again.
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
+      --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
+      --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;
+  *) echo "unknown stage $stage (tests|kernels|A|B|smoke|overhead)"; exit 2 ;;
 esac

@@ -1,0 +1,170 @@
+"""Serving overhead: the same requests three ways in one command, and where the time goes.
+
+    python -m loadtest.overhead [--concurrency 64] [--num-requests 128] [--input-len 128] \\
+        [--output-len 64] [--device cpu] [--out bench_out/overhead.json] [--serve-arg key=value ...] \\
+        [--stream-interval-ms 0,20,50]
+
+1. offline: `LLM.generate` over every request at once, with `max_num_seqs` = the
+   concurrency (the closed-loop equivalent: never more than C requests in flight);
+2. async: `AsyncLLM` in this process, C streaming clients (DELTA outputs), no Ray;
+3. serve: the Serve app (serve_app.app:build_app) in a local Ray cluster, C streaming
+   HTTP clients on loopback (token-id prompts, `ignore_eos`, greedy), in Ray Serve's
+   high-throughput mode (HAProxy, direct ingress: serve_app.local); serve_pyproxy: the same
+   behind Serve's Python ProxyActor. With --stream-interval-ms, once per value (paths
+   serve_<X>ms), reconfiguring the running app.
+
+Each of 2 and 3 also runs at concurrency 1 for TTFT. Printed last: output tok/s per path
+and the ratios to offline, TTFT p50 at concurrency 1, CPU seconds per streamed token in
+each process of the serving path (from /proc: proxy, Ingress, Guardrails, engine
+replica, its step thread, Ray's own daemons, the client) and streamed messages per
+token on each hop (the Ingress's `stream_chunk_tokens` histogram). Full numbers: JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+from loadtest.overhead_paths import run_async, run_offline, run_serve
+from loadtest.report import base_metadata, format_table, write_json
+from loadtest.workload import BenchRequest
+
+DEFAULT_MODEL_DIR = Path("bench_out/model-bench")
+PATHS = ("offline", "async", "serve", "serve_pyproxy")
+
+
+def progress(message: str) -> None:
+    print(f"[loadtest.overhead] {message}", file=sys.stderr, flush=True)
+
+
+def make_requests(num: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """Fixed lengths (the issue's shape), random ids clear of the special ids at the bottom."""
+    import random
+
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(3, vocab_size) for _ in range(input_len)], output_len) for _ in range(num)]
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key, value
+
+
+def _intervals(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the bench model, built once)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--num-ttft-requests", type=int, default=8, help="sequential requests for TTFT at concurrency 1")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paths", default="offline,async,serve",
+                    help="which paths to run, comma-separated: offline, async, serve (HAProxy, the default "
+                         "mode), serve_pyproxy (behind Serve's Python ProxyActor)")
+    ap.add_argument("--serve-arg", type=_key_value, action="append", default=[],
+                    help="extra application arg for the serve path, e.g. stream_interval_ms=0")
+    ap.add_argument("--stream-interval-ms", type=_intervals, default=None,
+                    help="comma-separated stream_interval_ms values: one serve path each, on one running app")
+    ap.add_argument("--out", type=Path, default=Path("bench_out/overhead.json"))
+    args = ap.parse_args(argv)
+    for name in ("concurrency", "num_requests", "num_ttft_requests", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in args.paths if p not in PATHS]
+    if bad:
+        ap.error(f"--paths: unknown {bad}; choose from {', '.join(PATHS)}")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return args
+
+
+def engine_kwargs(args, model: Path) -> dict:
+    """The same engine settings on every path."""
+    return {"model": str(model), "device": args.device, "dtype": args.dtype, "max_num_seqs": args.concurrency,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+            "enable_prefix_caching": True,
+            "seed": args.seed}
+
+
+def summary_table(report: dict) -> str:
+    paths = report["paths"]
+    offline = paths.get("offline", {}).get("tokens_per_s")
+    rows = []
+    for name, r in paths.items():
+        ratio = r["tokens_per_s"] / offline if offline else "-"
+        ttft = r.get("ttft_c1_p50_ms", "-")
+        rows.append([name, r["tokens_per_s"], ratio, ttft, r.get("cpu_s_per_token_total", "-")])
+    table = format_table(["path", "out tok/s", "/ offline", "TTFT p50 c=1 ms", "CPU ms/token"],
+                         [[n, t, q, f, c * 1e3 if isinstance(c, float) else c] for n, t, q, f, c in rows])
+    serves = {name: r for name, r in paths.items() if name.startswith("serve")}
+    if serves:
+        roles = sorted({role for r in serves.values() for role in r["cpu_s_by_role"]})
+        hops = sorted({hop for r in serves.values() for hop in r["messages_per_token"]})
+        rows = [[role] + [r["cpu_s_by_role"].get(role, 0.0) / r["num_tokens"] * 1e3 for r in serves.values()]
+                for role in roles]
+        rows += [[f"messages/token {hop}"] + [r["messages_per_token"].get(hop, "-") for r in serves.values()]
+                 for hop in hops]
+        table += "\n\nserve path, per streamed token (CPU ms, or count)\n" + format_table(["where", *serves], rows)
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    model = args.model or _bench_model()
+    import json
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    requests = make_requests(args.num_requests, args.input_len, args.output_len, vocab, args.seed)
+    ttft_requests = make_requests(args.num_ttft_requests, args.input_len, args.output_len, vocab, args.seed + 1)
+    report = base_metadata(["python", "-m", "loadtest.overhead", *argv])
+    report["workload"] = {k: getattr(args, k) for k in ("concurrency", "num_requests", "num_ttft_requests",
+                                                         "input_len", "output_len", "device", "dtype", "seed")}
+    report["paths"] = {}
+    kwargs = engine_kwargs(args, Path(model))
+    runners = {"offline": lambda: {"offline": run_offline(kwargs, requests)},
+               "async": lambda: {"async": asyncio.run(run_async(kwargs, requests, ttft_requests, args.concurrency))},
+               "serve": lambda: run_serve(kwargs, requests, ttft_requests, args.concurrency, dict(args.serve_arg),
+                                          args.stream_interval_ms),
+               "serve_pyproxy": lambda: run_serve(kwargs, requests, ttft_requests, args.concurrency,
+                                                  dict(args.serve_arg), args.stream_interval_ms, high_throughput=False)}
+    for path in args.paths:
+        start = time.perf_counter()
+        for name, result in runners[path]().items():
+            report["paths"][name] = result
+            progress(f"{name}: {result['tokens_per_s']:.0f} tok/s ({time.perf_counter() - start:.0f} s)")
+    report["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    write_json(args.out, report)
+    print(f"wrote {args.out}")
+    print(summary_table(report))
+    return report
+
+
+def _bench_model() -> Path:
+    from loadtest.offline import ensure_bench_model
+
+    return ensure_bench_model(DEFAULT_MODEL_DIR)
+
+
+if __name__ == "__main__":
+    main()

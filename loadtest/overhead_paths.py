@@ -1,0 +1,184 @@
+"""The three paths of loadtest.overhead: offline `LLM.generate`, in-process `AsyncLLM`, the Serve app."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+from loadtest.proc_cpu import difference, snapshot
+from loadtest.report import Stopwatch
+from loadtest.stats import summarize
+from loadtest.workload import BenchRequest
+
+SERVED_NAME = "bench"
+
+
+def _warmup(requests: list[BenchRequest]) -> list[BenchRequest]:
+    return [BenchRequest(r.prompt_token_ids, min(r.max_tokens, 4)) for r in requests[:2]]
+
+
+def _result(num_tokens: int, wall_s: float, cpu_s: float, **extra) -> dict:
+    return {"num_tokens": num_tokens, "elapsed_s": wall_s, "tokens_per_s": num_tokens / wall_s, "cpu_s": cpu_s,
+            "cpu_s_per_token_total": cpu_s / num_tokens, **extra}
+
+
+def run_offline(kwargs: dict, requests: list[BenchRequest]) -> dict:
+    import torch
+
+    from engine import LLM
+    from loadtest.ours import shutdown, timed_engine_run
+
+    llm = LLM(**kwargs)
+    try:
+        watch, token_ids = timed_engine_run(llm, requests, _warmup(requests))
+    finally:
+        shutdown(llm)
+    return _result(sum(len(t) for t in token_ids), watch.wall_s, watch.cpu_s, torch_threads=torch.get_num_threads())
+
+
+# -- AsyncLLM in this process -----------------------------------------------------------
+async def _async_one(llm, r: BenchRequest) -> tuple[float, float]:
+    from engine import SamplingParams
+    from engine.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    start, ttft, num_tokens = time.perf_counter(), None, 0
+    async for out in llm.generate({"prompt_token_ids": r.prompt_token_ids}, params):
+        new = len(out.outputs[0].token_ids)
+        if new and ttft is None:
+            ttft = time.perf_counter() - start
+        num_tokens += new
+    if num_tokens != r.max_tokens:
+        raise RuntimeError(f"AsyncLLM streamed {num_tokens} tokens, expected {r.max_tokens}")
+    return ttft, time.perf_counter() - start
+
+
+async def _closed_loop(one, requests: list, concurrency: int) -> list:
+    """`concurrency` workers, each sending its next request when the last one ends."""
+    pending, results = iter(requests), []
+
+    async def worker() -> None:
+        for r in pending:
+            results.append(await one(r))
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+    return results
+
+
+async def run_async(kwargs: dict, requests: list[BenchRequest], ttft_requests: list[BenchRequest],
+                    concurrency: int) -> dict:
+    from engine import AsyncLLM, EngineConfig
+
+    llm = AsyncLLM(EngineConfig(**{k: v for k, v in kwargs.items() if v is not None}))
+    one = lambda r: _async_one(llm, r)  # noqa: E731
+    try:
+        await _closed_loop(one, _warmup(requests), 1)
+        ttfts = [t for t, _ in await _closed_loop(one, ttft_requests, 1)]
+        step_cpu0 = llm.get_stats().get("step_thread_cpu_s", 0.0)
+        with Stopwatch() as watch:
+            timings = await _closed_loop(one, requests, concurrency)
+        step_cpu = llm.get_stats().get("step_thread_cpu_s", 0.0) - step_cpu0
+    finally:
+        llm.shutdown()
+    num_tokens = sum(r.max_tokens for r in requests)
+    return _result(num_tokens, watch.wall_s, watch.cpu_s, ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3,
+                   ttft_s=summarize([t for t, _ in timings]), e2e_s=summarize([e for _, e in timings]),
+                   step_thread_cpu_s=step_cpu)
+
+
+# -- the Serve app over HTTP ---------------------------------------------------------------
+_HISTOGRAM_LINE = re.compile(r'^\w+_stream_chunk_tokens_(count|sum)\{[^}]*hop="(\w+)"[^}]*\}\s+([0-9.e+-]+)$')
+
+
+def chunk_counters(metrics_text: str) -> dict[str, dict[str, float]]:
+    """{hop: {"count": messages, "sum": tokens}} from a Prometheus scrape of the Ingress."""
+    out: dict[str, dict[str, float]] = {}
+    for line in metrics_text.splitlines():
+        m = _HISTOGRAM_LINE.match(line)
+        if m:
+            out.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    return out
+
+
+def messages_per_token(before: dict, after: dict) -> dict[str, float]:
+    rates = {}
+    for hop, now in after.items():
+        prev = before.get(hop, {})
+        tokens = now.get("sum", 0.0) - prev.get("sum", 0.0)
+        if tokens > 0:
+            rates[hop] = (now.get("count", 0.0) - prev.get("count", 0.0)) / tokens
+    return rates
+
+
+async def _http_level(client, url: str, requests: list[BenchRequest], concurrency: int) -> list:
+    from loadtest.client import Target, build_payload, send_request
+
+    target = Target(url=url + "/v1/completions", endpoint="completions", headers={}, timeout_s=600.0)
+
+    async def one(r: BenchRequest):
+        record = await send_request(client, target, build_payload(SERVED_NAME, r.prompt_token_ids, r.max_tokens,
+                                                                  "completions"))
+        if not record.ok or record.output_tokens != r.max_tokens:
+            raise RuntimeError(f"served request failed: {record.error or record.output_tokens}")
+        return record
+
+    return await _closed_loop(one, requests, concurrency)
+
+
+async def _engine_stats() -> dict:
+    from ray import serve
+
+    from serve_app.local import APP_NAME
+
+    return await serve.get_deployment_handle("EngineDeployment", app_name=APP_NAME).get_stats.remote()
+
+
+async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False) as client:
+        await _http_level(client, url, _warmup(requests), 1)
+        ttfts = [r.ttft for r in await _http_level(client, url, ttft_requests, 1)]
+        chunks0, cpu0, stats0 = chunk_counters((await client.get(url + "/metrics")).text), \
+            snapshot(os.getpid()), await _engine_stats()
+        start = time.perf_counter()
+        records = await _http_level(client, url, requests, concurrency)
+        wall = time.perf_counter() - start
+        cpu, stats = difference(cpu0, snapshot(os.getpid())), await _engine_stats()
+        chunks = chunk_counters((await client.get(url + "/metrics")).text)
+    step_cpu = stats.get("step_thread_cpu_s", 0.0) - stats0.get("step_thread_cpu_s", 0.0)
+    cpu["engine_step_thread"] = step_cpu
+    cpu["engine_replica"] = max(cpu.get("engine_replica", 0.0) - step_cpu, 0.0)  # the rest of that process
+    num_tokens = sum(r.output_tokens for r in records)
+    return _result(num_tokens, wall, sum(cpu.values()), ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3,
+                   ttft_s=summarize([r.ttft for r in records]), e2e_s=summarize([r.e2e for r in records]),
+                   itl_s=summarize([g for r in records for g in r.itls]), cpu_s_by_role=cpu,
+                   messages_per_token=messages_per_token(chunks0, chunks))
+
+
+def run_serve(kwargs: dict, requests: list[BenchRequest], ttft_requests: list[BenchRequest], concurrency: int,
+              extra_args: dict, stream_intervals_ms: list[float] | None = None,
+              high_throughput: bool = True) -> dict[str, dict]:
+    """{path name: result}: "serve", or one "serve_<X>ms" per stream interval, all on one running app.
+
+    Each interval is applied with the EngineDeployment's reconfigure() (what a user_config
+    change does), so a sweep pays for one cluster and one model load. high_throughput=False:
+    behind Serve's Python proxy instead of HAProxy (names end in "_pyproxy").
+    """
+    from serve_app.local import local_server, reconfigure_engine
+
+    args = {k: v for k, v in kwargs.items() if v is not None} | {"served_model_name": SERVED_NAME} | extra_args
+    results = {}
+    suffix = "" if high_throughput else "_pyproxy"
+    with local_server(args, high_throughput=high_throughput) as url:
+        for interval in stream_intervals_ms or [None]:
+            name = "serve" + suffix
+            if interval is not None:
+                reconfigure_engine({"stream_interval_ms": interval})
+                name = f"serve_{interval:g}ms{suffix}"
+            results[name] = asyncio.run(_serve_levels(url, requests, ttft_requests, concurrency))
+            results[name]["app_args"] = args | ({"stream_interval_ms": interval} if interval is not None else {})
+    return results

@@ -1,0 +1,65 @@
+"""CPU seconds per process of a local Ray Serve app, read from /proc (Linux). No torch, no Ray.
+
+Ray names its worker processes by what they run (`ray::ServeReplica:llm:Ingress`,
+`ray::ProxyActor`, ...), so a snapshot taken before and after a load phase says how many
+CPU seconds each hop of the serving path spent on it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# (label, substring of the command line), first match wins; order matters (replicas before the rest).
+ROLES = (
+    ("proxy", "ray::ProxyActor"),
+    ("haproxy", "haproxy"),  # RAY_SERVE_ENABLE_HA_PROXY: HAProxy in front of direct-ingress replicas
+    ("ingress", ":Ingress"),
+    ("guardrails", ":Guardrails"),
+    ("engine_replica", ":EngineDeployment"),
+    ("serve_controller", "ray::ServeController"),
+    ("raylet", "raylet"),
+    ("gcs_server", "gcs_server"),
+)
+
+
+def role_of(cmdline: str) -> str | None:
+    """The hop a process plays in the serving path, from its command line; None if not ours."""
+    for label, needle in ROLES:
+        if needle in cmdline:
+            return label
+    return None
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None  # gone, or not Linux
+    # After "(comm)": field 3 is the state, so utime and stime (fields 14, 15) are at 11, 12.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def snapshot(client_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds used so far, summed per role; `client_pid` (the load generator) as "client"."""
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        role = "client" if pid == client_pid else role_of(_cmdline(pid))
+        cpu = _cpu_seconds(pid) if role else None
+        if cpu is not None:
+            totals[role] = totals.get(role, 0.0) + cpu
+    return totals
+
+
+def difference(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, per role (a role that vanished counts 0)."""
+    return {role: max(after[role] - before.get(role, 0.0), 0.0) for role in after}

