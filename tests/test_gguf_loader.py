@@ -166,3 +166,18 @@ def test_weights_load_in_the_engine_dtype(tiny_qwen2, tmp_path):
     llm = LLM(str(tmp_path / "m.gguf"), dtype="bfloat16", device="cpu")
     model = llm.llm_engine.executor.runner.model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_tensor_parallel_shards_gguf_weights(tiny_llama, tmp_path):
+    """tp=2 splits the un-permuted Q/K (2 KV heads: one per rank) through the same weight_loaders."""
+    stored = write_gguf(tiny_llama, tmp_path / "model.gguf", Q.Q8_0)
+    reference = save_as_hf(tiny_llama, stored, tmp_path / "hf-dequantized")
+    llm = LLM(str(tmp_path / "model.gguf"), device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens=(3, 40))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        for p, out in zip(prompts, outs):
+            assert_matches(out.outputs[0].token_ids, hf_greedy(str(reference), p, MAX_TOKENS), f"tp=2, {len(p)}")
+    finally:
+        llm.llm_engine.shutdown()
