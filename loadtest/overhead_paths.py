@@ -128,11 +128,9 @@ async def _http_level(client, url: str, requests: list[BenchRequest], concurrenc
 
 
 async def _engine_stats() -> dict:
-    from ray import serve
+    from serve_app.local import call_deployment
 
-    from serve_app.local import APP_NAME
-
-    return await serve.get_deployment_handle("EngineDeployment", app_name=APP_NAME).get_stats.remote()
+    return await asyncio.to_thread(call_deployment, "EngineDeployment", "get_stats")
 
 
 async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> dict:

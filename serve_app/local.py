@@ -37,16 +37,18 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
 
     high_throughput=False: Serve's Python ProxyActor instead of HAProxy (HIGH_THROUGHPUT_ENV).
     """
+    saved_env = dict(os.environ)
+    # Inherited by the cluster this process starts; restored when it is shut down. Set before
+    # Ray Serve is imported here: the handles bound below take their protocol (gRPC or Ray
+    # calls) from this process's environment at import (serve_app/app.py builds them here).
+    mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
+    os.environ.update({**_haproxy_private_env(), **os.environ, **mode})
     import ray
     from ray import serve
 
     from serve_app.app import build_app
 
     port = free_port()
-    saved_env = dict(os.environ)
-    # Inherited by the cluster this process starts; restored when it is shut down.
-    mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
-    os.environ.update({**_haproxy_private_env(), **os.environ, **mode})
     # Replicas import serve_app from this checkout even when the package is not installed.
     path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
@@ -76,15 +78,22 @@ def _haproxy_private_env() -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
 
 
-def reconfigure_ingress(user_config: dict[str, Any]) -> None:
-    """Apply an Ingress user_config on the running replica (what Serve does on a user_config change)."""
+def call_deployment(deployment: str, method: str, *args: Any) -> Any:
+    """Call one method of a running deployment from synchronous code (one replica: benchmarks, tests)."""
     from ray import serve
 
-    serve.get_deployment_handle("Ingress", app_name=APP_NAME).reconfigure.remote(user_config).result()
+    handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
+    # The router on Ray's own loop: under RAY_SERVE_THROUGHPUT_OPTIMIZED it would run on the
+    # caller's event loop, and a plain `.remote().result()` outside one is refused.
+    handle._init(_run_router_in_separate_loop=True)
+    return getattr(handle, method).remote(*args).result()
+
+
+def reconfigure_ingress(user_config: dict[str, Any]) -> None:
+    """Apply an Ingress user_config on the running replica (what Serve does on a user_config change)."""
+    call_deployment("Ingress", "reconfigure", user_config)
 
 
 def reconfigure_engine(user_config: dict[str, Any]) -> None:
-    """Apply an EngineDeployment user_config on its running replica (one replica: benchmarks, tests)."""
-    from ray import serve
-
-    serve.get_deployment_handle("EngineDeployment", app_name=APP_NAME).reconfigure.remote(user_config).result()
+    """Apply an EngineDeployment user_config on its running replica (what a user_config change does)."""
+    call_deployment("EngineDeployment", "reconfigure", user_config)
