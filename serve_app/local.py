@@ -85,7 +85,8 @@ def call_deployment(deployment: str, method: str, *args: Any) -> Any:
     handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
     # The router on Ray's own loop: under RAY_SERVE_THROUGHPUT_OPTIMIZED it would run on the
     # caller's event loop, and a plain `.remote().result()` outside one is refused.
-    handle._init(_run_router_in_separate_loop=True)
+    if not handle.is_initialized:  # get_deployment_handle hands out one cached handle
+        handle._init(_run_router_in_separate_loop=True)
     return getattr(handle, method).remote(*args).result()
 
 
