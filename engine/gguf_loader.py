@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.gguf_config import check_gguf
 # The safetensors loader's own name mapping, so both formats fill parameters the same way.
-from engine.loader import _expected_checkpoint_names, _target, default_weight_loader
+from engine.loader import load_named_tensors
 
 # llama.cpp tensor names -> HF names (`blk.{i}.` stands for `model.layers.{i}.`).
 _GLOBAL_NAMES = {
@@ -92,24 +92,12 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
     reader = GGUFReader(path)  # memory-mapped
     arch = check_gguf(reader, path.name)
     config = model.config
-    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
-    seen, unexpected = set(), []
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        param_name, shard_id = _target(model, name) if name else (None, None)
-        param = params.get(param_name)
-        if param is None:
-            unexpected.append(tensor.name)
-            continue
-        try:
-            weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            weight_loader(param, _hf_tensor(tensor, name, arch, config), shard_id)
-        except ValueError as e:
-            raise ValueError(f"cannot load {tensor.name!r} ({name}) from {path.name}: {e}") from e
-        seen.add(name)
-    missing = sorted(_expected_checkpoint_names(model, params) - seen)
-    if missing or unexpected:
-        raise ValueError(f"GGUF {path.name} does not match the model: missing weights {missing[:20]}; "
-                         f"unexpected tensors {sorted(unexpected)[:20]}")
+    tied = config.tie_word_embeddings
+
+    def tensors():
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            if not (tied and name == "lm_head.weight"):
+                yield tensor.name, name, lambda tensor=tensor, name=name: _hf_tensor(tensor, name, arch, config)
+
+    load_named_tensors(model, tensors(), f"GGUF {path.name}", "tensors")

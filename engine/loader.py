@@ -68,27 +68,39 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     """Load every tensor of the checkpoint at `path` into `model`'s parameters (cast to their dtype).
     Raises ValueError naming missing or unexpected tensors."""
     path = Path(path)
-    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+    def tensors():
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:  # memory-mapped
+                for name in f.keys():
+                    if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
+                        yield name, name, lambda f=f, name=name: f.get_tensor(name)
+
+    load_named_tensors(model, tensors(), f"checkpoint {path}", "weights")
+
+
+def load_named_tensors(model: nn.Module, tensors, source: str, kind: str) -> None:
+    """Each (name in the file, HF name or None, tensor thunk) into the parameter the HF name maps to,
+    through that parameter's weight_loader; the thunk runs only for a tensor that is loaded.
+    Raises ValueError naming missing weights and the file's unexpected `kind` (file names)."""
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
     seen, unexpected = set(), []
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:  # memory-mapped
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                param_name, shard_id = _target(model, name)
-                param = params.get(param_name)
-                if param is None:
-                    unexpected.append(name)
-                    continue
-                try:
-                    weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                    weight_loader(param, f.get_tensor(name), shard_id)
-                except ValueError as e:
-                    raise ValueError(f"cannot load {name!r} from {file.name}: {e}") from e
-                seen.add(name)
+    for file_name, name, tensor in tensors:
+        param_name, shard_id = _target(model, name) if name else (None, None)
+        param = params.get(param_name)
+        if param is None:
+            unexpected.append(file_name)
+            continue
+        try:
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, tensor(), shard_id)
+        except ValueError as e:
+            label = file_name if file_name == name else f"{file_name} ({name})"
+            raise ValueError(f"cannot load {label!r} from {source}: {e}") from e
+        seen.add(name)
     missing = sorted(_expected_checkpoint_names(model, params) - seen)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing weights {missing[:20]}"
-                         f"{' ...' if len(missing) > 20 else ''}; unexpected weights {sorted(unexpected)[:20]}"
+        raise ValueError(f"{source} does not match the model: missing weights {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}; unexpected {kind} {sorted(unexpected)[:20]}"
                          f"{' ...' if len(unexpected) > 20 else ''}")
