@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -42,7 +43,8 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     # Ray Serve is imported here: the handles bound below take their protocol (gRPC or Ray
     # calls) from this process's environment at import (serve_app/app.py builds them here).
     mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
-    os.environ.update({**_haproxy_private_env(), **os.environ, **mode})
+    haproxy_dir = tempfile.mkdtemp(prefix="haproxy-serve-")
+    os.environ.update({**_haproxy_private_env(haproxy_dir), **os.environ, **mode})
     import ray
     from ray import serve
 
@@ -63,12 +65,12 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
         ray.shutdown()
         os.environ.clear()
         os.environ.update(saved_env)
+        shutil.rmtree(haproxy_dir, ignore_errors=True)
 
 
-def _haproxy_private_env() -> dict[str, str]:
+def _haproxy_private_env(state: str) -> dict[str, str]:
     """HAProxy's files and side ports for this cluster only: its defaults (/tmp/haproxy-serve,
     ports 8404 and 9101) would collide with a `make serve` running on the same machine."""
-    state = tempfile.mkdtemp(prefix="haproxy-serve-")
     return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{state}/haproxy.cfg",
             "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{state}/admin.sock",
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state,
