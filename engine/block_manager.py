@@ -160,7 +160,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         start = self._num_registered_blocks.get(seq.seq_id, 0)
-        num_full = seq.num_computed_tokens // self.block_size
+        # Only blocks whose token ids are known: with overlapped scheduling the computed count may
+        # run one placeholder ahead of them. (Their K/V may still be in flight on the device;
+        # any reader is a later step on the same stream.)
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= start:
             return
         self._update_block_hashes(seq)

@@ -134,6 +134,10 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0
+    # Overlapped scheduling: plan and launch step N+1 before step N's tokens are read back.
+    # None: on for CUDA with tensor_parallel_size 1 (on CPU the forward is synchronous, so there
+    # is nothing to overlap). True with tensor_parallel_size > 1 is refused.
+    async_scheduling: bool | None = None
     distributed_init_method: str | None = None  # "tcp://host:port" for TP workers; None picks a free local port
 
     def __post_init__(self) -> None:
@@ -152,6 +156,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: must be in (0, 1]")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb} is invalid: must be > 0")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: choose True, False or None")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:

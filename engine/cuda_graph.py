@@ -68,12 +68,14 @@ class CUDAGraphRunner:
     def can_run(self, mi: ModelInput) -> bool:
         return len(mi.query_lens) <= self.max_bs and all(q == 1 for q in mi.query_lens)
 
-    def run(self, mi: ModelInput) -> torch.Tensor:
-        """Replay the graph for this decode step; returns hidden [n, hidden_size] (a view: use before next run)."""
+    def run(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for this decode step; returns hidden [n, hidden_size] (a view: use before next run).
+
+        input_ids: [n] on the device (some rows may come from the previous step's sampled tokens)."""
         n = len(mi.input_ids)
         bs = next(b for b in self.batch_sizes if b >= n)
         width = len(mi.block_tables[0])
-        self.input_ids[:n].copy_(torch.tensor(mi.input_ids, dtype=torch.long).pin_memory(), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(torch.tensor(mi.positions, dtype=torch.long).pin_memory(), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.tensor(mi.slot_mapping, dtype=torch.long).pin_memory(), non_blocking=True)
         self.seq_lens[:n].copy_(torch.tensor(mi.seq_lens, dtype=torch.int32).pin_memory(), non_blocking=True)

@@ -83,11 +83,22 @@ class MultiprocExecutor:
         self.num_kv_blocks = self.runner.num_kv_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
+        return self.collect(self.sample(self.forward(scheduler_output), allowed_token_bitmask))
+
+    def forward(self, scheduler_output: SchedulerOutput):
+        # Workers replay the host-side ModelInput, so the engine never overlaps TP steps
+        # (a decode input still on rank 0's device would not reach them).
         model_input = self.runner.prepare_inputs(scheduler_output)
         for conn in self.conns:
             conn.send((_EXECUTE, model_input))
-        logits = self.runner.run_model(model_input)
-        return self.runner.sample(logits, scheduler_output, allowed_token_bitmask)
+        from engine.model_runner import StepHandle
+        return StepHandle(scheduler_output, self.runner.run_model(model_input))
+
+    def sample(self, handle, allowed_token_bitmask=None):
+        return self.runner.sample(handle, allowed_token_bitmask)
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        return self.runner.collect(handle)
 
     def free_seq(self, seq_id: int) -> None:
         self.runner.free_seq(seq_id)

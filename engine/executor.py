@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepHandle
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -19,6 +19,16 @@ class UniprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, allowed_token_bitmask)
+
+    # The step in three launches, for overlapped scheduling (see ModelRunner.forward).
+    def forward(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        return self.runner.forward(scheduler_output)
+
+    def sample(self, handle: StepHandle, allowed_token_bitmask=None) -> StepHandle:
+        return self.runner.sample(handle, allowed_token_bitmask)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        return self.runner.collect(handle)
 
     def free_seq(self, seq_id: int) -> None:
         self.runner.free_seq(seq_id)

@@ -43,6 +43,9 @@ class LLMEngine:
                                    max_model_len=config.max_model_len, block_manager=self.block_manager,
                                    eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        self.async_scheduling = bool(config.async_scheduling)
+        self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
+        self.num_host_waits = 0  # overlapped steps that waited for the previous tokens (grammar, penalties)
         self.num_generated_tokens = 0  # lifetime counter, for metrics
         self.num_preemptions = 0
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
@@ -96,22 +99,53 @@ class LLMEngine:
         return state.make_output(set(range(len(state.seqs))), self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        # A launched step still to process counts: its sequences may all have finished already,
+        # but its tokens must be collected before the engine goes idle.
+        return bool(self.requests) or self._inflight is not None
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        Without overlapped scheduling that is this step. With it, this step's forward (and
+        usually its sampling) is launched first and the previous step is processed while the
+        device runs it; a step whose sampling needs the previous tokens on the host (grammar
+        bitmask, penalties, min_tokens) samples after that processing instead.
+        """
         sched_out = self.scheduler.schedule()
         self.num_preemptions += len(sched_out.preempted)
         if sched_out.is_empty:
-            return []
-        # Which sequences sample, read before update_from_output advances them.
-        sampled = [s for s, f in zip(sched_out.seqs, sched_out.sample_flags()) if f]
-        bitmask = None
+            return self._process_inflight()
+        handle = self.executor.forward(sched_out)
+        sampled = sched_out.sampled_seqs
+        outputs = []
+        if any(_needs_host_state(s) for s in sampled):
+            if self._inflight is not None:
+                self.num_host_waits += 1
+            outputs = self._process_inflight()
+            handle = self.executor.sample(handle, self._grammar_bitmask(sampled))
+        else:
+            handle = self.executor.sample(handle)
+            outputs = self._process_inflight()  # the previous step, while this one runs
+        self._inflight = handle
+        if not self.async_scheduling:
+            outputs += self._process_inflight()
+        return outputs
+
+    def _grammar_bitmask(self, sampled: list[Sequence]):
         if any(s.grammar is not None for s in sampled):
-            bitmask = self.structured_outputs.fill_bitmask([s.grammar for s in sampled])
-        runner_out = self.executor.execute_model(sched_out, bitmask)
-        for seq, entry in zip(sampled, runner_out.logprobs or ()):
-            if entry is not None:
+            return self.structured_outputs.fill_bitmask([s.grammar for s in sampled])
+        return None
+
+    def _process_inflight(self) -> list[RequestOutput]:
+        """Wait for the launched step's tokens and turn them into request outputs."""
+        handle, self._inflight = self._inflight, None
+        if handle is None:
+            return []
+        sched_out = handle.scheduler_output
+        runner_out = self.executor.collect(handle)
+        for seq, entry in zip(sched_out.sampled_seqs, runner_out.logprobs or ()):
+            if entry is not None and not seq.is_finished:
                 seq.output_logprobs.append(entry)
         if runner_out.prompt_logprobs:
             for seq in sched_out.seqs:
@@ -202,6 +236,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_generated_tokens": self.num_generated_tokens,
             "num_preemptions": self.num_preemptions,
+            "num_host_waits": self.num_host_waits,
         }
 
     def shutdown(self) -> None:
@@ -216,7 +251,19 @@ def _resolve_defaults(config: EngineConfig, model_config: ModelConfig) -> Engine
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                          f"{model_config.max_position_embeddings}")
     budget = config.max_num_batched_tokens or (8192 if on_cuda else 2048)
-    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
+    overlap = config.async_scheduling
+    if overlap is None:
+        overlap = on_cuda and config.tensor_parallel_size == 1
+    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget,
+                               async_scheduling=overlap)
+
+
+def _needs_host_state(seq: Sequence) -> bool:
+    """Sampling this sequence reads its latest tokens on the host: a grammar matcher, penalties
+    over its output, or a min_tokens count still in force."""
+    p = seq.sampling_params
+    return (seq.grammar is not None or p.has_penalties
+            or bool(p.min_tokens and seq.num_output_tokens < p.min_tokens))
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from engine.layers.linear import LinearBase
 from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.outputs import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from engine.sampler import Sampler, compute_prompt_logprobs
+from engine.sampler import SampledTokens, Sampler, compute_prompt_logprobs
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class ModelRunner:
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
         self._allocate_kv_cache(self.num_kv_blocks)
         self.graph_runner = self._maybe_capture_cuda_graphs()
+        # The last sampled step's tokens on the device, and each sampled sequence's row in them.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[int, int] = {}
 
     # -- setup ---------------------------------------------------------------
     def _build_model(self, model_path: Path) -> torch.nn.Module:
@@ -164,19 +168,55 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- one step ------------------------------------------------------------
+    # execute_model = collect(sample(forward(...))). The engine calls the three apart to overlap
+    # steps: step N+1's forward is launched before step N's tokens are read back (collect).
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
-        """Rank 0's step: build inputs, run the model, sample."""
-        model_input = self.prepare_inputs(scheduler_output)
-        return self.sample(self.run_model(model_input), scheduler_output, allowed_token_bitmask)
+        """Rank 0's step: build inputs, run the model, sample, wait for the tokens."""
+        return self.collect(self.sample(self.forward(scheduler_output), allowed_token_bitmask))
+
+    @torch.inference_mode()
+    def forward(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch the forward; the handle holds its logits (on the device)."""
+        return StepHandle(scheduler_output, self.run_model(self.prepare_inputs(scheduler_output)))
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, allowed_token_bitmask=None) -> StepHandle:
+        """Launch sampling and the copy of its tokens to the host; the tokens also stay on the
+        device, where the next step's forward takes the input ids of its decodes from."""
+        so, logits = handle.scheduler_output, handle.logits
+        seqs = so.sampled_seqs
+        if logits is not None and logits.shape[0] > len(seqs):  # the rows after the sampled ones
+            handle.prompt_logprobs = self._prompt_logprobs(logits[len(seqs):], so)
+            logits = logits[:len(seqs)]
+        handle.logits = None  # [rows, vocab]: not kept alive past sampling
+        if logits is None or not seqs:
+            return handle
+        if allowed_token_bitmask is not None:
+            allowed_token_bitmask = allowed_token_bitmask.to(self.device, non_blocking=True)
+        handle.sampled = self.sampler.sample(logits, seqs, allowed_token_bitmask)
+        handle.sampled.start_copy()
+        self._prev_sampled = handle.sampled.token_ids
+        self._prev_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        return handle
+
+    @staticmethod
+    def collect(handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for the step's tokens on the host."""
+        if handle.sampled is None:
+            return ModelRunnerOutput(sampled_token_ids=[], prompt_logprobs=handle.prompt_logprobs)
+        token_ids, logprobs = handle.sampled.to_host()
+        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs,
+                                 prompt_logprobs=handle.prompt_logprobs)
 
     @torch.inference_mode()
     def run_model(self, mi: ModelInput) -> torch.Tensor | None:
         """Forward over the flat batch; logits [num_sample_rows, vocab] (every TP rank runs this)."""
+        input_ids = self._input_ids(mi)
         if self.graph_runner is not None and self.graph_runner.can_run(mi):
-            hidden = self.graph_runner.run(mi)
+            hidden = self.graph_runner.run(mi, input_ids)
         else:
-            hidden = self._eager_forward(mi)
+            hidden = self._eager_forward(mi, input_ids)
         if mi.prompt_logprob_rows:
             # [num_sample_rows + num_prompt_logprob_rows, vocab], in that order: only the rows that are
             # scored, never the whole chunk's (at most max_num_batched_tokens rows).
@@ -189,7 +229,15 @@ class ModelRunner:
         # else every row samples (rows are increasing, so they are 0 .. n-1): no gather copy
         return self.model.compute_logits(hidden).float()
 
-    def _eager_forward(self, mi: ModelInput) -> torch.Tensor:
+    def _input_ids(self, mi: ModelInput) -> torch.Tensor:
+        """[num_tokens] on the device; decodes of a token still on the device read it from there."""
+        input_ids = self._to_device(mi.input_ids, torch.long)
+        if mi.prev_token_rows:
+            input_ids[self._to_device(mi.prev_token_rows, torch.long)] = \
+                self._prev_sampled[self._to_device(mi.prev_token_src, torch.long)]
+        return input_ids
+
+    def _eager_forward(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self._to_device(mi.slot_mapping, torch.long),
             block_tables=self._to_device(mi.block_tables, torch.int32),
@@ -198,25 +246,13 @@ class ModelRunner:
             max_seqlen_q=max(mi.query_lens), max_seqlen_k=max(mi.seq_lens),
             seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens)
         with set_forward_context(meta):
-            return self.model(self._to_device(mi.input_ids, torch.long), self._to_device(mi.positions, torch.long))
-
-    def sample(self, logits: torch.Tensor | None, so: SchedulerOutput, allowed_token_bitmask=None):
-        seqs = [s for s, f in zip(so.seqs, so.sample_flags()) if f]
-        prompt_logprobs = None
-        if logits is not None and logits.shape[0] > len(seqs):  # the rows after the sampled ones
-            prompt_logprobs = self._prompt_logprobs(logits[len(seqs):], so)
-            logits = logits[:len(seqs)]
-        if logits is None or not seqs:
-            return ModelRunnerOutput(sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
-        if allowed_token_bitmask is not None:
-            allowed_token_bitmask = allowed_token_bitmask.to(self.device, non_blocking=True)
-        token_ids, logprobs = self.sampler(logits, seqs, allowed_token_bitmask)
-        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            return self.model(input_ids, self._to_device(mi.positions, torch.long))
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, so: SchedulerOutput) -> dict[int, list[SampleLogprobs]]:
         """logits: [num_prompt_logprob_rows, vocab], rows in prepare_inputs' order -> records per seq_id."""
-        spans = [(seq, prompt_logprob_positions(seq, n)) for seq, n in zip(so.seqs, so.num_scheduled_tokens)
+        spans = [(seq, prompt_logprob_positions(seq, start, n))
+                 for seq, start, n in zip(so.seqs, so.num_computed_tokens, so.num_scheduled_tokens)
                  if seq.sampling_params.prompt_logprobs is not None]
         spans = [(seq, positions) for seq, positions in spans if positions]
         # The row at position p scores prompt token p + 1.
@@ -233,15 +269,21 @@ class ModelRunner:
         bs = self.block_size
         mi = ModelInput([], [], [], [], [], list(so.num_scheduled_tokens), [])
         num_rows = 0
-        for seq, n, samples in zip(so.seqs, so.num_scheduled_tokens, so.sample_flags()):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for seq, start, n, samples in zip(so.seqs, so.num_computed_tokens, so.num_scheduled_tokens,
+                                          so.sample_flags):
+            end = start + n
             mi.input_ids.extend(seq.token_ids[start:end])
+            if end > seq.num_tokens:  # a decode of the previous step's token, not back on the host yet
+                assert end == seq.num_tokens + 1, (seq, start, n)
+                mi.prev_token_rows.append(num_rows + n - 1)
+                mi.prev_token_src.append(self._prev_rows[seq.seq_id])
+                mi.input_ids.append(0)
             mi.positions.extend(range(start, end))
             bt = seq.block_table
             mi.slot_mapping.extend([bt[p // bs] * bs + p % bs for p in range(start, end)])
             mi.seq_lens.append(end)
             if seq.sampling_params.prompt_logprobs is not None:  # rare: the common loop stays as it was
-                mi.prompt_logprob_rows.extend(num_rows + p - start for p in prompt_logprob_positions(seq, n))
+                mi.prompt_logprob_rows.extend(num_rows + p - start for p in prompt_logprob_positions(seq, start, n))
             num_rows += n
             if samples:
                 mi.sample_rows.append(num_rows - 1)  # the chunk's last row predicts the next token
@@ -262,7 +304,17 @@ class ModelRunner:
         self.sampler.free(seq_id)
 
 
-def prompt_logprob_positions(seq: Sequence, num_scheduled: int) -> range:
+@dataclass
+class StepHandle:
+    """A launched step, between forward(), sample() and collect()."""
+
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor | None        # [num_sample_rows (+ prompt logprob rows), vocab] until sampled
+    sampled: SampledTokens | None = None
+    prompt_logprobs: dict[int, list[SampleLogprobs]] | None = None
+
+
+def prompt_logprob_positions(seq: Sequence, start: int, num_scheduled: int) -> range:
     """Positions of this chunk whose row gives a prompt logprob entry not yet made: those
     whose next token is a prompt token (entries made before a preemption are not redone).
 
@@ -271,7 +323,6 @@ def prompt_logprob_positions(seq: Sequence, num_scheduled: int) -> range:
     """
     if not seq.num_missing_prompt_logprobs:
         return range(0)
-    start = seq.num_computed_tokens
     return range(max(start, len(seq.prompt_logprobs)), min(start + num_scheduled, seq.num_prompt_tokens - 1))
 
 

@@ -12,16 +12,22 @@ from engine.sequence import Sequence
 
 @dataclass
 class SchedulerOutput:
-    """What to compute in one step.
+    """What to compute in one step: a snapshot, taken when the step was scheduled.
 
-    Tokens are laid out flat in `seqs` order: sequence i computes the tokens
-    `token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[i]]`
+    Tokens are laid out flat in `seqs` order: sequence i computes positions
+    `num_computed_tokens[i] : num_computed_tokens[i] + num_scheduled_tokens[i]`
     (a decode schedules 1, a prefill chunk several; prefill and decode mix).
+    The per-sequence lists are fixed by `schedule()`; later stages read them and
+    never recompute them from live `Sequence` state, which the scheduler has
+    already moved on (and, with overlapped scheduling, may move again before
+    this step's results are processed).
     """
 
     seqs: list[Sequence]               # scheduled sequences, in flat-token order
     num_scheduled_tokens: list[int]    # new tokens computed for each, >= 1
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step (for stats)
+    num_computed_tokens: list[int] = field(default_factory=list)  # each one's first position this step
+    sample_flags: list[bool] = field(default_factory=list)   # its chunk reaches its last token: sample
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -31,9 +37,10 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    def sample_flags(self) -> list[bool]:
-        """A sequence samples when its chunk reaches the end of its known tokens."""
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that sample this step, in flat order (the rows of the logits)."""
+        return [s for s, f in zip(self.seqs, self.sample_flags) if f]
 
 
 @dataclass
@@ -136,7 +143,7 @@ class ModelInput:
     Plain lists (not tensors) so the message to worker processes is small and device-free.
     """
 
-    input_ids: list[int]       # [num_tokens]
+    input_ids: list[int]       # [num_tokens]; 0 at the rows listed in prev_token_rows
     positions: list[int]       # [num_tokens]
     slot_mapping: list[int]    # [num_tokens], cache slot of each new token
     block_tables: list[list[int]]  # [num_seqs][max_blocks], padded with 0
@@ -146,3 +153,8 @@ class ModelInput:
     # Flat rows whose logits give prompt logprobs (row at position p scores prompt token p + 1);
     # empty unless a scheduled prefill chunk asked for them.
     prompt_logprob_rows: list[int] = field(default_factory=list)
+    # Overlapped scheduling: flat rows whose input token was sampled by the previous step and is
+    # still on the device only, and that token's row in the previous step's sampled ids.
+    # Always empty when steps run one after another (and so for TP workers).
+    prev_token_rows: list[int] = field(default_factory=list)
+    prev_token_src: list[int] = field(default_factory=list)

@@ -7,9 +7,13 @@ One row per sampling sequence, all batched in float32 `[num_seqs, vocab]`:
       -> other rows:  / temperature -> top-k, top-p (one sort) -> min-p -> exponential race
 
 Which stages run is decided from the Python-side params, never from tensor
-values, so the only host sync of a step is the `.tolist()` at the end.
+values, so nothing here waits for the device: `sample()` returns the tokens
+on the device (`SampledTokens`), and the only host sync of a step is its
+`to_host()`, which overlapped scheduling defers to after the next launch.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -47,17 +51,23 @@ class Sampler:
         """Forget a finished sequence's generator."""
         self._seq_generators.pop(seq_id, None)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  allowed_token_bitmask: torch.Tensor | None = None,
                  ) -> tuple[list[int], list[SampleLogprobs | None] | None]:
+        """Sample and wait for the result: (token ids, logprob records or None)."""
+        return self.sample(logits, seqs, allowed_token_bitmask).to_host()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               allowed_token_bitmask: torch.Tensor | None = None) -> SampledTokens:
+        """Launch sampling; the result stays on the device (see SampledTokens)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         if not seqs:
-            return [], None
+            return SampledTokens(torch.empty(0, dtype=torch.long, device=logits.device))
         if allowed_token_bitmask is None and _plain_greedy(seqs):
             # No stage would change the logits: argmax of the model's own logits, no copy.
-            return logits.argmax(dim=-1).tolist(), None
+            return SampledTokens(logits.argmax(dim=-1))
         # [num_seqs, vocab], a contiguous float32 copy: the stages below work in place.
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if allowed_token_bitmask is not None:
@@ -69,7 +79,10 @@ class Sampler:
         apply_penalties(logits, seqs)
         self._apply_min_tokens(logits, seqs)
         sampled = self._sample(logits, seqs)  # [num_seqs] int64
-        return _to_host(sampled, raw_logprobs, params)
+        if raw_logprobs is None:
+            return SampledTokens(sampled)
+        ks = [p.logprobs for p in params]
+        return SampledTokens(sampled, _pack_logprob_records(sampled, raw_logprobs, ks), ks)
 
     # -- stages ------------------------------------------------------------
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -281,17 +294,50 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], ks: lis
     return _logprob_records(targets, logprobs, ks)[1]
 
 
-def _to_host(sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, params: list,
-             ) -> tuple[list[int], list[SampleLogprobs | None] | None]:
-    """One `.tolist()` for the whole step: ids, and logprob records for the rows that asked."""
-    if raw_logprobs is None:
-        return sampled.tolist(), None
-    return _logprob_records(sampled, raw_logprobs, [p.logprobs for p in params])
+@dataclass
+class SampledTokens:
+    """One step's sampled tokens, on the device until `to_host()`.
+
+    `start_copy()` queues the device-to-host copy behind the sampling kernels
+    (pinned memory + an event), so a later `to_host()` waits only for this
+    step, not for whatever was launched after it.
+    """
+
+    token_ids: torch.Tensor                    # [num_seqs] int64
+    packed_logprobs: torch.Tensor | None = None  # [num_seqs, 3 + 2*max_k] float64, see _pack_logprob_records
+    ks: list[int | None] | None = None         # top-k per row, None = no record
+    _host: list | None = None                  # pinned copies of the two tensors above, once started
+    _event: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        if self.token_ids.device.type != "cuda" or self._host is not None:
+            return
+        tensors = [t for t in (self.token_ids, self.packed_logprobs) if t is not None]
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                      for t in tensors]
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def to_host(self) -> tuple[list[int], list[SampleLogprobs | None] | None]:
+        """Wait for the copy; (token ids, logprob records or None)."""
+        if self._host is not None:
+            self._event.synchronize()
+            token_ids, packed = self._host[0], self._host[1] if len(self._host) > 1 else None
+        else:
+            token_ids, packed = self.token_ids, self.packed_logprobs
+        if packed is None:
+            return token_ids.tolist(), None
+        return _unpack_logprob_records(packed.tolist(), self.ks)
 
 
 def _logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[int | None],
                      ) -> tuple[list[int], list[SampleLogprobs | None]]:
     """token_ids: [num_rows]; logprobs: [num_rows, vocab]; ks[i]: top-k of row i, None = no record."""
+    return _unpack_logprob_records(_pack_logprob_records(token_ids, logprobs, ks).tolist(), ks)
+
+
+def _pack_logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[int | None]) -> torch.Tensor:
+    """The records as one device tensor [num_rows, 3 + 2*max_k], so one copy brings them all back."""
     max_k = min(max(k or 0 for k in ks), logprobs.shape[1])
     token_logprob = logprobs.gather(1, token_ids.unsqueeze(1))        # [num_rows, 1]
     rank = (logprobs > token_logprob).sum(dim=1, keepdim=True) + 1  # 1-based; ties share the best rank
@@ -301,8 +347,12 @@ def _logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[i
     if max_k:
         top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)
         columns += [top_ids.double(), top_logprobs.double()]
-    packed = torch.cat(columns, dim=1).tolist()
+    return torch.cat(columns, dim=1)
 
+
+def _unpack_logprob_records(packed: list[list[float]], ks: list[int | None],
+                            ) -> tuple[list[int], list[SampleLogprobs | None]]:
+    max_k = (len(packed[0]) - 3) // 2 if packed else 0
     ids = [int(row[0]) for row in packed]
     records: list[SampleLogprobs | None] = []
     for row, k in zip(packed, ks):

@@ -11,6 +11,13 @@ One step, under `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
      preempted: there was no room for what was already running.
 
 Prefill and decode mix in one step; the model runner sees one flat batch.
+
+Scheduling a step moves `num_computed_tokens` at once (the step's K/V will be
+written before any later step reads it: steps run in order on one stream), so
+step N+1 can be scheduled while step N still runs. A token sampled by a step
+whose result is not back yet is a placeholder (`num_output_placeholders`):
+the next decode of that sequence feeds it from the device, and a sequence
+that turns out to have stopped has that next step's token discarded.
 """
 from __future__ import annotations
 
@@ -118,13 +125,27 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self._update_after_schedule(out)
         return out
+
+    @staticmethod
+    def _update_after_schedule(out: SchedulerOutput) -> None:
+        """Snapshot where each chunk starts and whether it samples, then move the sequences on."""
+        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
+            out.num_computed_tokens.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += num_new
+            samples = seq.num_computed_tokens == seq.num_tokens_with_placeholders
+            out.sample_flags.append(samples)
+            seq.num_output_placeholders += samples  # its token is unknown until the step is processed
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, _chunk_limit(seq, budget))
+            if self._ends_with_placeholder(seq):
+                i += 1  # its in-flight token is its last: it finishes when that step is processed
+                continue
+            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, _chunk_limit(seq, budget))
             assert num_new >= 1, seq
             if not self._allocate_or_preempt(seq, num_new, out):
                 break  # seq was the newest and stepped back itself; nothing runs after it
@@ -147,6 +168,15 @@ class Scheduler:
                 return False
         return True
 
+    def _ends_with_placeholder(self, seq: Sequence) -> bool:
+        """An in-flight token that reaches max_tokens or max_model_len: never schedule past it
+        (check_fits sized the cache for exactly that many tokens)."""
+        if not seq.num_output_placeholders:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        return (seq.num_tokens_with_placeholders >= self.max_model_len
+                or (max_tokens is not None and seq.num_output_tokens + seq.num_output_placeholders >= max_tokens))
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # its full blocks stay in the prefix cache, so recompute may hit
         seq.num_computed_tokens = 0
@@ -159,7 +189,8 @@ class Scheduler:
         skipped: list[Sequence] = []  # siblings waiting for their source's prompt; keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self._waits_for_prefix_source(seq):
+            if seq.num_output_placeholders or self._waits_for_prefix_source(seq):
+                # A placeholder: preempted while its last step was in flight; back once processed.
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = self._admit(seq, budget)
@@ -214,24 +245,27 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[Sequence]:
         """Advance each scheduled sequence, append sampled tokens, finish what must stop.
 
-        Returns the sequences that got a new token, finished ones included.
+        Returns the sequences that got a new token, finished ones included. A sequence
+        preempted after this step was scheduled still gets its token (it is recomputed
+        with it); one that finished meanwhile (stop, abort) has it discarded.
         """
-        flags = scheduler_output.sample_flags()  # before num_computed_tokens moves
+        flags = scheduler_output.sample_flags
         sampled = runner_output.sampled_token_ids
         assert len(sampled) == sum(flags), (len(sampled), sum(flags))
         updated: list[Sequence] = []
         k = 0  # index into the sampled rows
-        for seq, num_new, samples in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens, flags):
+        for seq, samples in zip(scheduler_output.seqs, flags):
             k += samples
             if seq.is_finished:
-                continue  # aborted or stopped by the engine while the step ran
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-            if not samples:
-                continue
-            seq.append_token(sampled[k - 1])  # (the engine records runner_output.logprobs itself)
-            self._check_stop(seq)
-            updated.append(seq)
+                continue  # aborted or stopped while the step ran: its token is dropped
+            if samples:
+                seq.num_output_placeholders -= 1
+                seq.append_token(sampled[k - 1])  # (the engine records runner_output.logprobs itself)
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
+            if samples:
+                self._check_stop(seq)
+                updated.append(seq)
         return updated
 
     def _check_stop(self, seq: Sequence) -> None:

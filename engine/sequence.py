@@ -29,7 +29,13 @@ class Sequence:
         self.sampling_params = sampling_params
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt followed by output tokens
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_computed_tokens = 0      # tokens whose K/V are in the cache
+        # Tokens whose K/V are in the cache or written by a step already scheduled: the
+        # scheduler moves it when it schedules, so the next step can be planned before this
+        # one's results are back (overlapped scheduling).
+        self.num_computed_tokens = 0
+        # Output tokens sampled by a launched step whose ids are not back on the host yet
+        # (0 or 1 at a scheduling point; always 0 without overlapped scheduling between steps).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0        # of those, how many came from the prefix cache at admission
         self.block_table: list[int] = []  # KV block ids, in order
         self.block_hashes: list[int] = [] # chained hashes of this sequence's full blocks (prefix caching)
@@ -81,6 +87,11 @@ class Sequence:
         if self.sampling_params.prompt_logprobs is None or self.index != 0:
             return 0
         return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those sampled but still on the device: where the next step starts."""
+        return len(self.token_ids) + self.num_output_placeholders
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -114,7 +114,7 @@ def test_step_failure_reaches_every_waiter(make_llm):
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-        llm.engine.executor.execute_model = boom
+        llm.engine.executor.forward = boom
         results = await asyncio.gather(*[_collect(llm, f"p{i}", params, f"r{i}") for i in range(3)],
                                        return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) and "injected" in str(r) for r in results), results
@@ -135,7 +135,7 @@ def test_request_registered_as_the_loop_ends_is_not_left_waiting(make_llm, endin
     def make_request_then_end_loop(request_id, *args):
         state = real_make_request(request_id, *args)
         if ending == "death":
-            llm.engine.executor.execute_model = _boom
+            llm.engine.executor.forward = _boom
             llm._submit(("add", real_make_request("killer", "x", SamplingParams(max_tokens=2))))
         else:
             llm._submit(("stop", None))

@@ -38,6 +38,9 @@ REGIMES = {
     "chunked_prefill": {"max_num_batched_tokens": 48},
     "preemption": {"num_kv_blocks": 60, "max_num_batched_tokens": 256},
     "no_prefix_cache": {"enable_prefix_caching": False},
+    # Overlapped scheduling (on by default on CUDA) runs the same path on CPU, synchronously.
+    "overlapped": {"async_scheduling": True, "max_num_batched_tokens": 48},
+    "overlapped_preemption": {"async_scheduling": True, "num_kv_blocks": 60, "max_num_batched_tokens": 256},
 }
 
 
@@ -48,7 +51,7 @@ def test_greedy_equals_hf(arch, regime, request):
     llm = LLM(path, dtype="float32", device="cpu", **REGIMES[regime])
     prompts = _prompts(llm.llm_engine.model_config.vocab_size)
     _check_against_hf(path, llm, prompts)
-    if regime == "preemption":
+    if regime.endswith("preemption"):
         assert llm.llm_engine.num_preemptions > 0, "the tiny cache should have forced preemption"
 
 
@@ -255,7 +258,7 @@ def test_cuda_greedy_equals_hf(arch, regime, request):
     assert llm.llm_engine.executor.runner.graph_runner is not None
     prompts = _prompts(llm.llm_engine.model_config.vocab_size)
     _check_against_hf(path, llm, prompts)
-    if regime == "preemption":
+    if regime.endswith("preemption"):
         assert llm.llm_engine.num_preemptions > 0, "the tiny cache should have forced preemption"
 
 

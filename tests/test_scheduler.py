@@ -36,7 +36,7 @@ def make_seq(rid: str, prompt, **sp) -> Sequence:
 @dataclass
 class Step:
     out: SchedulerOutput
-    flags: list[bool]              # sample flags, taken before the update moved num_computed_tokens
+    flags: list[bool]              # sample flags, as scheduled
     tables: dict[str, list[int]]   # block tables as scheduled, before finished ones were freed
     updated: list[Sequence]
 
@@ -48,7 +48,7 @@ class Step:
 def step(sched: Scheduler, token=TOK) -> Step:
     """schedule() + fake runner + update_from_output(); `token` is an int or a function of the sequence."""
     out = sched.schedule()
-    flags = out.sample_flags()
+    flags = out.sample_flags
     tables = {f"{s.request_id}{s.index or ''}": list(s.block_table) for s in out.seqs}
     sampled = [token(s) if callable(token) else token for s, f in zip(out.seqs, flags) if f]
     updated = sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))

@@ -62,9 +62,9 @@ class Harness:
         out = self.sched.schedule()
         assert out.seqs or not had_work, "a step with unfinished requests scheduled nothing"
         self._check_schedule(out)
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            self._run_model(seq, n)
-        sampled = [rng.randrange(VOCAB) for f in out.sample_flags() if f]
+        for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            self._run_model(seq, start, n)
+        sampled = [rng.randrange(VOCAB) for f in out.sample_flags if f]
         if abort_mid and self.sched.running:
             self.sched.abort(rng.choice(self.sched.running).request_id)
         self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
@@ -73,8 +73,7 @@ class Harness:
     def _slot(self, seq, pos):
         return seq.block_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
 
-    def _run_model(self, seq, n):
-        start = seq.num_computed_tokens
+    def _run_model(self, seq, start, n):
         for pos in range(start):  # attention reads every earlier position
             assert self.kv.get(self._slot(seq, pos)) == tuple(seq.token_ids[:pos + 1]), (seq, pos)
         for pos in range(start, start + n):
@@ -88,9 +87,10 @@ class Harness:
         assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         assert len(out.seqs) == len(set(out.seqs)) <= sched.max_num_seqs
         assert not set(out.seqs) & set(out.preempted)
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_tokens - seq.num_computed_tokens
-            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
+        for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_tokens - start
+            assert seq.num_computed_tokens == start + n
+            assert len(seq.block_table) * self.bm.block_size >= start + n
 
     def _check_state(self):
         sched, bs = self.sched, self.bm.block_size
