@@ -189,11 +189,19 @@ class Matcher:
         """int32 [num_words]: bit j of word w set <=> token 32*w + j may come next."""
         if self._mask_stale:
             self._matcher.fill_next_token_bitmask(self._mask, 0)
-            writable = self._mask[0] & self._writable_words
-            if writable.any():  # never empty a row; the guardrail still checks what comes out
-                self._mask[0] = writable
-            self._mask_stale = False
+            self._set_mask(self._mask[0])
         return self._mask[0]
+
+    @property
+    def needs_fill(self) -> bool:
+        return self._mask_stale and not self._matcher.is_terminated()
+
+    def _set_mask(self, filled: torch.Tensor) -> None:
+        """Cache xgrammar's mask for the next token (filled alone or in a batch), writable tokens only."""
+        writable = filled & self._writable_words
+        # Never empty a row; the guardrail still checks what comes out.
+        self._mask[0] = writable if writable.any() else filled
+        self._mask_stale = False
 
     def is_finished(self) -> bool:
         """The sequence must end now: the grammar accepted a stop token (also with ignore_eos,
@@ -227,6 +235,7 @@ class StructuredOutputManager:
         self._cache: collections.OrderedDict[str, xgr.CompiledGrammar] = collections.OrderedDict()
         self._max_cached = max_cached_grammars
         self._lock = threading.Lock()  # compile() runs on worker threads
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
 
     def _writable_token_ids(self, tokenizer) -> set[int]:
         """Tokens a JSON document may contain, on top of what the grammar says:
@@ -280,7 +289,13 @@ class StructuredOutputManager:
         """int32 [len(matchers), num_words] on CPU, xgrammar's layout (bit j of word w = token
         32*w + j). Rows without a live grammar are all ones (-1): every token allowed."""
         bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
+        stale = [i for i, m in enumerate(matchers) if m is not None and m.needs_fill]
+        if len(stale) > 1:  # one call, xgrammar's threads over the rows, instead of a Python loop
+            self._batch_matcher.batch_fill_next_token_bitmask([matchers[i]._matcher for i in stale],
+                                                              bitmask, stale)
+            for i in stale:
+                matchers[i]._set_mask(bitmask[i])
         for i, matcher in enumerate(matchers):
-            if matcher is not None and not matcher.is_finished():
-                bitmask[i] = matcher.next_token_mask()
+            if matcher is not None:
+                bitmask[i] = -1 if matcher.is_finished() else matcher.next_token_mask()
         return bitmask

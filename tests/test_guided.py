@@ -162,6 +162,29 @@ def test_matcher_walks_a_valid_document_and_finishes(manager, tok):
         manager.new_matcher(manager.compile(_json(ORDER))).accept_token(_ids(tok, "[")[0])
 
 
+def test_batched_fill_equals_one_row_at_a_time(manager, tok):
+    """Several stale rows are filled by xgrammar's batch matcher in one call: the same masks
+    (writable filter included) as filling each matcher alone, and finished rows stay all-ones."""
+    doc = '{"id": 12, "status": "paid", "items": [{"sku": "ab", "qty": 3}]}'
+    ids = _ids(tok, doc)
+    grammars = [_json(ORDER), _json({"type": "string", "maxLength": 5}), _json()]
+    batch = [manager.new_matcher(manager.compile(g)) for g in grammars] + [None]
+    alone = [manager.new_matcher(manager.compile(g)) for g in grammars]
+    prefixes = [ids[:7], _ids(tok, '"')[:1], _ids(tok, "{")[:1]]
+    for m_batch, m_alone, prefix in zip(batch, alone, prefixes):
+        for t in prefix:
+            m_batch.accept_token(t)
+            m_alone.accept_token(t)
+    filled = manager.fill_bitmask(batch)
+    for i, m in enumerate(alone):
+        assert torch.equal(filled[i], manager.fill_bitmask([m])[0]), i
+    assert filled[3].eq(-1).all()
+    done = manager.new_matcher(manager.compile(_json(ORDER)))
+    for t in ids:
+        done.accept_token(t)
+    assert manager.fill_bitmask([done, batch[0]])[0].eq(-1).all()
+
+
 def test_a_number_that_may_grow_is_not_finished(manager, tok):
     matcher = manager.new_matcher(manager.compile(_json({"type": "integer"})))
     for t in _ids(tok, "12"):

@@ -1,0 +1,116 @@
+"""Schema-constrained decoding against plain decoding of the same lengths, in one run.
+
+    python -m loadtest.guided_bench [--num-requests 64] [--device cpu|cuda] [--model DIR]
+
+Each round runs the requests twice through one `LLM`: first with a JSON schema
+(grammar-constrained, seeded sampling at temperature 1; each request stops when
+its document is complete), then without one, each request given exactly the
+number of tokens its constrained twin produced (ignore_eos). The figure is
+output tokens per second of wall time; the ratio constrained / plain is what
+grammar-constrained decoding costs. Best of `--rounds` per side; model loading
+and one warm-up round excluded. Default model: the CPU bench model
+(loadtest.offline); on a GPU pass the Qwen3-0.6B shape from engine.tiny_model.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from loadtest.report import format_table, write_json
+from loadtest.measure import run_metadata
+
+# Long documents of many small fields: the grammar is consulted at every token.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "minItems": 6, "maxItems": 12, "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 10},
+                           "qty": {"type": "integer", "minimum": 0, "maximum": 999},
+                           "ok": {"type": "boolean"}},
+            "required": ["name", "qty", "ok"], "additionalProperties": False}},
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def _params(args, lengths: list[int] | None):
+    from engine import SamplingParams, StructuredOutputsParams
+
+    if lengths is None:
+        return [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
+                               structured_outputs=StructuredOutputsParams(json=SCHEMA))
+                for i in range(args.num_requests)]
+    return [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+
+
+def _timed(llm, prompts, params) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, [len(o.outputs[0].token_ids) for o in outs]
+
+
+def run(args) -> dict:
+    from engine import LLM
+    from loadtest.offline import ensure_bench_model
+
+    model = args.model or str(ensure_bench_model(Path(args.cache_dir)))
+    llm = LLM(model=model, device=args.device, dtype=args.dtype, max_num_seqs=max(256, args.num_requests),
+              seed=0)
+    rng = random.Random(0)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(16, 128))]}
+               for _ in range(args.num_requests)]
+    best = {"guided": float("inf"), "plain": float("inf")}
+    lengths: list[int] = []
+    for round_ in range(args.rounds + 1):  # round 0 is the warm-up
+        waits_before = llm.llm_engine.num_host_waits
+        t_guided, lengths = _timed(llm, prompts, _params(args, None))
+        waits = llm.llm_engine.num_host_waits - waits_before
+        t_plain, plain_lengths = _timed(llm, prompts, _params(args, lengths))
+        assert plain_lengths == lengths, "the plain twin must produce the same number of tokens"
+        print(f"[guided_bench] round {round_}: guided {t_guided:.2f}s plain {t_plain:.2f}s", file=sys.stderr)
+        if round_:
+            best["guided"], best["plain"] = min(best["guided"], t_guided), min(best["plain"], t_plain)
+    tokens = sum(lengths)
+    result = {
+        "num_requests": args.num_requests, "output_tokens": tokens,
+        "guided_tok_s": tokens / best["guided"], "plain_tok_s": tokens / best["plain"],
+        "async_scheduling": llm.llm_engine.async_scheduling, "host_waits_per_guided_run": waits,
+    }
+    result["ratio"] = result["guided_tok_s"] / result["plain_tok_s"]
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default=None)
+    p.add_argument("--cache-dir", default="bench_out/model-bench")
+    p.add_argument("--out", default="bench_out/guided_bench.json")
+    args = p.parse_args(argv)
+    if args.num_requests < 1 or args.rounds < 1 or args.max_tokens < 1:
+        p.error("--num-requests, --rounds and --max-tokens must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(format_table(["requests", "tokens", "guided tok/s", "plain tok/s", "guided / plain"],
+                       [[result["num_requests"], result["output_tokens"], result["guided_tok_s"],
+                         result["plain_tok_s"], result["ratio"]]]))
+    write_json(args.out, {"meta": run_metadata(sys.argv), "result": result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
