@@ -40,7 +40,7 @@ WORKLOADS = {
     "B": Workload("B", "llama-8b", (100, 1024), (100, 1024)),
 }
 QUICK_LEN = (32, 128)
-PEER_NAMES = ["ours", "hf_static", "hf_cb"]  # loadtest.gpu_peers.PEERS, named here without importing torch
+PEER_NAMES = ["ours", "ours_sync", "hf_static", "hf_cb"]  # loadtest.gpu_peers.PEERS, named here without importing torch
 QUICK_NUM_REQUESTS = 32
 
 

@@ -26,18 +26,24 @@ def measure_machine(argv: list[str]) -> dict:
 
 
 def peer_ours(model_path: str, requests: list[BenchRequest], warmup: list[BenchRequest],
-              batch_size: int | None, timeout_s: float) -> PeerResult:
+              batch_size: int | None, timeout_s: float, async_scheduling: bool = True) -> PeerResult:
     from engine import LLM
 
     llm = LLM(model=model_path, dtype="bfloat16", device="cuda", max_num_seqs=256,
-              enable_prefix_caching=True, seed=0)
+              enable_prefix_caching=True, seed=0, async_scheduling=async_scheduling)
     try:
         watch, _ = timed_engine_run(llm, requests, warmup)
     finally:
         shutdown(llm)
-    return PeerResult(name="ours", elapsed_s=watch.wall_s, cpu_s=watch.cpu_s,
-                      num_useful_tokens=num_useful_tokens(requests),
-                      settings={"max_num_seqs": 256, "dtype": "bfloat16"})
+    return PeerResult(name="ours" if async_scheduling else "ours_sync", elapsed_s=watch.wall_s,
+                      cpu_s=watch.cpu_s, num_useful_tokens=num_useful_tokens(requests),
+                      settings={"max_num_seqs": 256, "dtype": "bfloat16", "async_scheduling": async_scheduling})
+
+
+def peer_ours_sync(model_path: str, requests: list[BenchRequest], warmup: list[BenchRequest],
+                   batch_size: int | None, timeout_s: float) -> PeerResult:
+    """Ours with one step at a time: what overlapped scheduling buys, in the same run."""
+    return peer_ours(model_path, requests, warmup, batch_size, timeout_s, async_scheduling=False)
 
 
 def peer_hf_static(model_path: str, requests: list[BenchRequest], warmup: list[BenchRequest],
@@ -55,7 +61,7 @@ def peer_hf_cb(model_path: str, requests: list[BenchRequest], warmup: list[Bench
     return hf_continuous(load_cb_model(model_path), requests, warmup, timeout_s)
 
 
-PEERS = {"ours": peer_ours, "hf_static": peer_hf_static, "hf_cb": peer_hf_cb}
+PEERS = {"ours": peer_ours, "ours_sync": peer_ours_sync, "hf_static": peer_hf_static, "hf_cb": peer_hf_cb}
 
 
 def run_peer(name: str, model_path: str, requests: list[BenchRequest], warmup: list[BenchRequest],

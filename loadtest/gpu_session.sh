@@ -5,6 +5,8 @@
 #   bash loadtest/gpu_session.sh A         # BENCHMARKS.md workload A (Qwen3-0.6B shape)
 #   bash loadtest/gpu_session.sh B         # workload B (Llama-3.1-8B shape)
 #   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
+#   bash loadtest/gpu_session.sh overlap   # issue 9: A with and without overlapped scheduling
+#   bash loadtest/gpu_session.sh guided    # issue 9: schema-constrained vs plain, 32 and 256 requests
 #   bash loadtest/gpu_session.sh overhead  # issue 8: engine vs AsyncLLM vs the Serve app, stream intervals
 #                                          # (needs Ray, FastAPI on PYTHONPATH: shared/gpu/serve_on_device.md)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
@@ -21,7 +23,7 @@ case "$stage" in
   tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/test_kernels_attention.py tests/test_kernels_store_kv.py tests/test_kernels_validation.py \
-      tests/test_models.py tests/test_llm.py tests/test_sampler.py tests/test_guided.py \
+      tests/test_models.py tests/test_llm.py tests/test_llm_engine.py tests/test_sampler.py tests/test_guided.py \
       -k "cuda or triton or gpu or guided or kernels or models" \
       2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)
@@ -32,6 +34,15 @@ case "$stage" in
   smoke)
     python3 -m loadtest.gpu_bench --workload A --quick --peer-timeout 120 --out "$out/gpu_bench_smoke.json" \
       2>&1 | tee "$out/gpu_bench_smoke.log" ;;
+  overlap)
+    python3 -m loadtest.gpu_bench --workload A --peers ours,ours_sync --out "$out/gpu_bench_overlap.json" \
+      2>&1 | tee "$out/gpu_bench_overlap.log" ;;
+  guided)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    for n in 32 256; do
+      python3 -m loadtest.guided_bench --device cuda --model /tmp/qwen3-0.6b --num-requests $n \
+        --out "$out/guided_bench_$n.json" 2>&1 | tee "$out/guided_bench_$n.log"
+    done ;;
   overhead)
     # The Serve path runs first: its replica is a separate process, so the driver's engines
     # that follow find the GPU memory free again.
@@ -39,5 +50,5 @@ case "$stage" in
     python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
       --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
       --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|A|B|smoke|overhead)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests|kernels|A|B|smoke|overlap|guided|overhead)"; exit 2 ;;
 esac

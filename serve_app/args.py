@@ -66,6 +66,7 @@ class AppArgs(BaseModel):
     enforce_eager: bool = False
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
     seed: int = 0
+    async_scheduling: bool | None = None  # None: on for CUDA with tensor_parallel_size 1
     # Check at build_app that the checkpoint exists and is supported. Turn off where the node
     # that builds the app (the head) cannot see the checkpoint that the engine nodes load.
     check_model_at_build: bool = True
@@ -141,7 +142,7 @@ class AppArgs(BaseModel):
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gb=self.cpu_kv_cache_gb,
             enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend, seed=self.seed)
+            attention_backend=self.attention_backend, seed=self.seed, async_scheduling=self.async_scheduling)
 
     def streaming(self) -> StreamingConfig:
         return StreamingConfig(stream_interval_ms=self.stream_interval_ms)

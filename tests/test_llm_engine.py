@@ -7,6 +7,7 @@ discarded tokens of sequences that stopped, preemption of a sequence with a step
 Random rows are seeded, so each row's tokens depend only on its own seed and logits.
 """
 import pytest
+import torch
 
 from engine import LLM, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -42,12 +43,18 @@ def _summary(outs):
              o.prompt_logprobs) for o in outs]
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("regime", [{}, {"num_kv_blocks": 12, "max_num_batched_tokens": 64}],
                          ids=["roomy", "preemption"])
-def test_overlapped_equals_sequential(tiny_llama, regime):
+def test_overlapped_equals_sequential(tiny_llama, regime, device):
+    """On CUDA the launches really overlap (and decodes replay CUDA graphs)."""
     results, engines = {}, {}
     for overlap in (False, True):
-        llm = LLM(tiny_llama, dtype="float32", device="cpu", async_scheduling=overlap, **regime)
+        llm = LLM(tiny_llama, dtype="float32", device=device, async_scheduling=overlap, **regime)
         prompts, params = _requests(llm.llm_engine.model_config.vocab_size)
         results[overlap] = _summary(llm.generate(prompts, params, use_tqdm=False))
         llm.llm_engine.block_manager.check_no_leak()
