@@ -7,6 +7,7 @@
 #   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
 #   bash loadtest/gpu_session.sh overlap   # issue 9: A with and without overlapped scheduling
 #   bash loadtest/gpu_session.sh guided    # issue 9: schema-constrained vs plain, 32 and 256 requests
+#   bash loadtest/gpu_session.sh profile   # issue 9: GPU busy share of a steady decode step, overlap off/on
 #   bash loadtest/gpu_session.sh overhead  # issue 8: engine vs AsyncLLM vs the Serve app, stream intervals
 #                                          # (needs Ray, FastAPI on PYTHONPATH: shared/gpu/serve_on_device.md)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
@@ -43,6 +44,10 @@ case "$stage" in
       python3 -m loadtest.guided_bench --device cuda --model /tmp/qwen3-0.6b --num-requests $n \
         --out "$out/guided_bench_$n.json" 2>&1 | tee "$out/guided_bench_$n.log"
     done ;;
+  profile)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    python3 -m loadtest.step_profile --device cuda --model /tmp/qwen3-0.6b --num-seqs 256 --prompt-len 512 \
+      --out "$out/step_profile.json" 2>&1 | tee "$out/step_profile.log" ;;
   overhead)
     # The Serve path runs first: its replica is a separate process, so the driver's engines
     # that follow find the GPU memory free again.
@@ -50,5 +55,5 @@ case "$stage" in
     python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
       --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
       --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|A|B|smoke|overlap|guided|overhead)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests|kernels|A|B|smoke|overlap|guided|profile|overhead)"; exit 2 ;;
 esac

@@ -294,3 +294,24 @@ def test_offline_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert saved["correctness"]["num_mismatched"] == 0  # our greedy tokens equal HF's
     assert saved["peers"] == {} and saved["git_commit"] and saved["date"]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("torch threads")
+
+
+def test_step_profile_union_of_kernel_intervals():
+    from loadtest.step_profile import union_length
+
+    assert union_length([]) == 0.0
+    assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0  # overlaps count once, gaps not at all
+    assert union_length([(4, 5), (0, 1)]) == 2.0
+
+
+def test_step_profile_runs_on_cpu(tiny_llama, tmp_path):
+    import json
+
+    from loadtest.step_profile import main
+
+    out = tmp_path / "p.json"
+    assert main(["--model", tiny_llama, "--device", "cpu", "--num-seqs", "3", "--prompt-len", "9",
+                 "--steps", "4", "--warmup-steps", "1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["async_scheduling"] for r in results] == [False, True]
+    assert all(r["step_ms"] > 0 and "gpu_busy_share" not in r for r in results)
