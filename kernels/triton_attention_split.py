@@ -100,56 +100,53 @@ def alloc_partials(num_tokens: int, num_heads: int, head_dim: int, num_splits: i
     return part_o, part_ml[0], part_ml[1]
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_p_tok", "stride_ml_tok"])
+@triton.jit(do_not_specialize=["num_rows", "num_heads", "num_splits"])
 def reduce_splits_kernel(
     out_ptr,     # [num_tokens, num_heads, head_dim]  query's dtype
-    part_o_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32, contiguous
-    part_m_ptr,  # [num_tokens, num_heads, num_splits] fp32, contiguous
-    part_l_ptr,  # [num_tokens, num_heads, num_splits] fp32, contiguous
-    num_heads, num_splits,
+    part_o_ptr,  # [num_tokens * num_heads, num_splits, head_dim] fp32, contiguous
+    part_m_ptr,  # [num_tokens * num_heads, num_splits] fp32, contiguous
+    part_l_ptr,  # [num_tokens * num_heads, num_splits] fp32, contiguous
+    num_rows, num_heads, num_splits,
     stride_o_tok, stride_o_head, stride_o_dim,
-    stride_p_tok, stride_p_head,
-    stride_ml_tok, stride_ml_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two (masked)
     SPLITS_P: tl.constexpr,    # num_splits rounded up to a power of two (masked)
-    BLOCK_H: tl.constexpr,     # heads per program (power of two, masked)
+    BLOCK_R: tl.constexpr,     # (token, head) rows per program (power of two, masked)
 ):
-    """Program (token, head block): merge the num_splits segment results of BLOCK_H rows."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    """Program i: merge the num_splits segment results of rows [i * BLOCK_R, (i + 1) * BLOCK_R)."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     offs_s = tl.arange(0, SPLITS_P)  # [SPLITS_P]
-    valid = (head < num_heads)[:, None] & (offs_s < num_splits)[None, :]  # [BLOCK_H, SPLITS_P]
-    ml_off = tok * stride_ml_tok + head[:, None] * stride_ml_head + offs_s[None, :]
-    m = tl.load(part_m_ptr + ml_off, mask=valid, other=NEG_BIG)  # [BLOCK_H, SPLITS_P]
+    valid = (row < num_rows)[:, None] & (offs_s < num_splits)[None, :]  # [BLOCK_R, SPLITS_P]
+    ml_off = row[:, None] * num_splits + offs_s[None, :]
+    m = tl.load(part_m_ptr + ml_off, mask=valid, other=NEG_BIG)  # [BLOCK_R, SPLITS_P]
     l = tl.load(part_l_ptr + ml_off, mask=valid, other=0.0)
     w = l * tl.exp2(m - tl.max(m, axis=1)[:, None])  # 0 for empty segments
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_valid = offs_d < HEAD_DIM
     # Empty segments are never read: their weight is 0 anyway.
-    p_off = (tok * stride_p_tok + head[:, None] * stride_p_head + offs_s[None, :] * HEAD_DIM)
-    o = tl.load(part_o_ptr + p_off[:, :, None] + offs_d[None, None, :],
+    o = tl.load(part_o_ptr + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                 mask=(valid & (l > 0))[:, :, None] & d_valid[None, None, :],
-                other=0.0)  # [BLOCK_H, SPLITS_P, HEAD_DIM_P]
-    denom = tl.sum(w, axis=1)  # [BLOCK_H]
+                other=0.0)  # [BLOCK_R, SPLITS_P, HEAD_DIM_P]
+    denom = tl.sum(w, axis=1)  # [BLOCK_R]
     res = tl.sum(o * w[:, :, None], axis=1) / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + tok * stride_o_tok + head[:, None] * stride_o_head
+    tok, head = row // num_heads, row % num_heads
+    tl.store(out_ptr + (tok * stride_o_tok + head * stride_o_head)[:, None]
              + offs_d[None, :] * stride_o_dim, res.to(out_ptr.dtype.element_ty),
-             mask=(head < num_heads)[:, None] & d_valid[None, :])
+             mask=(row < num_rows)[:, None] & d_valid[None, :])
 
 
 def reduce_splits(out, part_o, part_m, part_l) -> None:
     """Launch the merge: out[t, h] = the softmax-weighted mix of part_o[t, h, :]."""
     num_tokens, num_heads, num_splits, head_dim = part_o.shape
     splits_p, head_dim_p = triton.next_power_of_2(num_splits), triton.next_power_of_2(head_dim)
-    # A program holds BLOCK_H x SPLITS_P x HEAD_DIM_P fp32 values in registers.
-    block_h = min(triton.next_power_of_2(num_heads),
-                  max(1, REDUCE_TILE_ELEMS // (splits_p * head_dim_p)))
-    reduce_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        out, part_o, part_m, part_l, num_heads, num_splits,
+    num_rows = num_tokens * num_heads
+    # A program holds BLOCK_R x SPLITS_P x HEAD_DIM_P fp32 values in registers. The
+    # interpreter pays per program, not per element: there, take as many rows as fit.
+    tile = REDUCE_TILE_ELEMS if out.device.type == "cuda" else 1 << 20
+    block_r = min(triton.next_power_of_2(num_rows), max(1, tile // (splits_p * head_dim_p)))
+    reduce_splits_kernel[(triton.cdiv(num_rows, block_r),)](
+        out, part_o, part_m, part_l, num_rows, num_heads, num_splits,
         out.stride(0), out.stride(1), out.stride(2),
-        part_o.stride(0), part_o.stride(1),
-        part_m.stride(0), part_m.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=splits_p, BLOCK_H=block_h,
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=splits_p, BLOCK_R=block_r,
         num_warps=4,
     )
