@@ -10,6 +10,13 @@ so no [q_len, seq_len] matrix ever exists.
 Query tiles are numbered without a host sync: sequence s owns tile indices
 starting at cu_seqlens_q[s] // BLOCK_Q + s, so num_tokens // BLOCK_Q + num_seqs
 programs always suffice; surplus programs exit at once.
+
+Split-KV (SPLIT=True, grid axis 2 = segment): the same program attends over
+only segment `split` of its keys (`_segment`: tile-aligned, equal runs, sized
+on the device from seq_lens) and writes its normalised output, running max and
+sum as fp32 partials instead of the output; kernels/triton_attention_split.py
+merges them. Rows keep their causal horizon in every segment, so split launches
+are exact for prefill chunks too; a segment a row cannot see leaves it l = 0.
 """
 
 import triton
