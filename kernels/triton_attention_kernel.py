@@ -10,6 +10,13 @@ so no [q_len, seq_len] matrix ever exists.
 Query tiles are numbered without a host sync: sequence s owns tile indices
 starting at cu_seqlens_q[s] // BLOCK_Q + s, so num_tokens // BLOCK_Q + num_seqs
 programs always suffice; surplus programs exit at once.
+
+Split-KV (SPLIT=True, grid axis 2 = segment): the same program attends over
+only segment `split` of its keys (`_segment`: tile-aligned, equal runs, sized
+on the device from seq_lens) and writes its normalised output, running max and
+sum as fp32 partials instead of the output; kernels/triton_attention_split.py
+merges them. Rows keep their causal horizon in every segment, so split launches
+are exact for prefill chunks too; a segment a row cannot see leaves it l = 0.
 """
 
 import triton
@@ -124,17 +131,19 @@ def _locate_tile(cu_seqlens_q_ptr, seq_lens_ptr, q_tile, num_seqs, BLOCK_Q: tl.c
 
 @triton.jit
 def _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
-            stride_c_pos, kv_end, q_horizon, scale_log2, offs_d, d_valid,
+            stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, offs_d, d_valid,
             BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             TILE_N: tl.constexpr, ONE_BLOCK_TILES: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """Online-softmax attention of q over keys [0, kv_end); returns the normalised output.
+    """Online-softmax attention of q over keys [kv_start, kv_end) (kv_start a multiple of TILE_N).
 
-    q: [BLOCK_M, HEAD_DIM_P] -> [BLOCK_M, HEAD_DIM_P] fp32
+    q: [BLOCK_M, HEAD_DIM_P] -> acc [BLOCK_M, HEAD_DIM_P] fp32 (unnormalised),
+    m_i [BLOCK_M] running max (log2 domain), l_i [BLOCK_M] running sum. A row that
+    sees no key in the range keeps m_i = NEG_BIG, l_i = 0, acc = 0.
     """
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
-    for tile_start in range(0, kv_end, TILE_N):
+    for tile_start in range(kv_start, kv_end, TILE_N):
         if ONE_BLOCK_TILES:
             k, v, key_pos, key_valid = _load_kv_one_block(
                 k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
@@ -145,13 +154,46 @@ def _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, st
                 stride_c_pos, tile_start, kv_end, offs_d, d_valid, BLOCK_SIZE, TILE_N)
         m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, key_pos, key_valid, q_horizon,
                                       scale_log2, IEEE_DOT)
-    # Padding rows (l_i == 0) are masked on store; the guard only avoids 0/0.
-    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _segment(kv_end, split, num_splits, TILE_N: tl.constexpr):
+    """Key range [seg_start, seg_end) of segment `split` of this tile's keys [0, kv_end).
+
+    The tile's ceil(kv_end / TILE_N) key tiles are dealt out in equal runs of
+    ceil(n_tiles / num_splits); the last segments may be short or empty
+    (seg_start >= seg_end) when the context is short. Lengths come from seq_lens
+    on the device, so num_splits alone fixes the launch shape.
+    """
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), num_splits)
+    seg_start = split * tiles_per_split * TILE_N
+    seg_end = tl.minimum(kv_end, seg_start + tiles_per_split * TILE_N)
+    return seg_start, seg_end
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, tok, head, split, acc, m_i, l_i,
+                   row_valid, io_mask, offs_d, stride_p_tok, stride_p_head, stride_ml_tok,
+                   stride_ml_head, HEAD_DIM: tl.constexpr):
+    """Write one segment's normalised output and its (max, sum) for the reduce pass.
+
+    part_o: [num_tokens, num_heads, num_splits, head_dim] fp32 (split stride = head_dim)
+    part_m, part_l: [num_tokens, num_heads, num_splits] fp32 (split stride = 1)
+    tok, head, row_valid: [BLOCK_M]; acc: [BLOCK_M, HEAD_DIM_P]
+    """
+    ml_off = tok * stride_ml_tok + head * stride_ml_head + split  # [BLOCK_M]
+    tl.store(part_m_ptr + ml_off, m_i, mask=row_valid)
+    tl.store(part_l_ptr + ml_off, l_i, mask=row_valid)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with l_i == 0 store 0, weight 0
+    p_off = tok * stride_p_tok + head * stride_p_head + split * HEAD_DIM  # [BLOCK_M]
+    tl.store(part_o_ptr + p_off[:, None] + offs_d[None, :], o, mask=io_mask)
 
 
 # Batch-shape scalars change every step; specialising on them (== 1, % 16)
 # would compile new variants mid-run, e.g. during CUDA-graph capture.
-@triton.jit(do_not_specialize=["num_seqs", "max_blocks", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "max_blocks", "stride_bt_seq", "num_splits",
+                               "stride_p_tok", "stride_ml_tok"])
 def paged_attention_kernel(
     out_ptr,           # [num_tokens, num_heads, head_dim]
     query_ptr,         # [num_tokens, num_heads, head_dim]  (strided view allowed)
@@ -160,12 +202,17 @@ def paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,      # [num_seqs]
     cu_seqlens_q_ptr,  # [num_seqs + 1]
+    part_o_ptr,        # SPLIT: [num_tokens, num_heads, num_splits, head_dim] fp32 (else unused)
+    part_m_ptr,        # SPLIT: [num_tokens, num_heads, num_splits] fp32 running max (log2)
+    part_l_ptr,        # SPLIT: [num_tokens, num_heads, num_splits] fp32 running sum
     scale_log2,        # softmax_scale * log2(e): exp2 is cheaper than exp
-    num_seqs, max_blocks,
+    num_seqs, max_blocks, num_splits,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
     stride_c_blk, stride_c_pos, stride_c_head,  # shared: both caches same shape, contiguous
     stride_bt_seq,
+    stride_p_tok, stride_p_head,    # part_o (contiguous; split stride = head_dim)
+    stride_ml_tok, stride_ml_head,  # part_m / part_l (contiguous; split stride = 1)
     GROUP: tl.constexpr,       # query heads per kv head
     GROUP_P: tl.constexpr,     # GROUP rounded up to a power of two
     HEAD_DIM: tl.constexpr,
@@ -176,6 +223,7 @@ def paged_attention_kernel(
     ONE_BLOCK_TILES: tl.constexpr,  # TILE_N divides BLOCK_SIZE: cheaper addressing
     UPCAST: tl.constexpr,      # run the dots in fp32 (interpreter lacks bf16 dot)
     IEEE_DOT: tl.constexpr,    # exact fp32 dots instead of tf32
+    SPLIT: tl.constexpr,       # split-KV: program_id(2) is the segment; write partials
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     kv_head = tl.program_id(1)
@@ -190,7 +238,8 @@ def paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P)  # [HEAD_DIM_P]
     d_valid = offs_d < HEAD_DIM
     tok = (q_start + q_row).to(tl.int64)  # [BLOCK_M]
-    io_mask = ((q_row < q_len) & (offs_m % GROUP_P < GROUP))[:, None] & d_valid[None, :]
+    row_valid = (q_row < q_len) & (offs_m % GROUP_P < GROUP)  # [BLOCK_M]
+    io_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
                 + offs_d[None, :] * stride_q_dim, mask=io_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P]
     if UPCAST:
@@ -201,9 +250,20 @@ def paged_attention_kernel(
     ctx_len = seq_len - q_len
     q_horizon = ctx_len + q_row  # [BLOCK_M]
     kv_end = ctx_len + tl.minimum(q_len, (tile_in_seq + 1) * BLOCK_Q)
+    kv_start = 0
+    if SPLIT:
+        kv_start, kv_end = _segment(kv_end, tl.program_id(2), num_splits, TILE_N)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    o = _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head * stride_c_head,
-                stride_c_blk, stride_c_pos, kv_end, q_horizon, scale_log2, offs_d, d_valid,
-                BLOCK_M, HEAD_DIM_P, BLOCK_SIZE, TILE_N, ONE_BLOCK_TILES, IEEE_DOT)
-    tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
-             + offs_d[None, :] * stride_o_dim, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    acc, m_i, l_i = _attend(
+        q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head * stride_c_head,
+        stride_c_blk, stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, offs_d, d_valid,
+        BLOCK_M, HEAD_DIM_P, BLOCK_SIZE, TILE_N, ONE_BLOCK_TILES, IEEE_DOT)
+    if SPLIT:
+        _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, tok, head, tl.program_id(2), acc,
+                       m_i, l_i, row_valid, io_mask, offs_d, stride_p_tok, stride_p_head,
+                       stride_ml_tok, stride_ml_head, HEAD_DIM)
+    else:
+        # Padding rows (l_i == 0) are masked on store; the guard only avoids 0/0.
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+                 + offs_d[None, :] * stride_o_dim, o.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should run, in stages that each fit one 10-minute device command:
 #   bash loadtest/gpu_session.sh tests     # GPU tests: kernels natively, engine on CUDA (graphs, bf16)
-#   bash loadtest/gpu_session.sh kernels   # Triton kernel benchmark
+#   bash loadtest/gpu_session.sh kernels   # Triton kernel benchmark (decode: split vs unsplit vs torch)
+#   bash loadtest/gpu_session.sh kernel-tests  # the kernel tests alone, natively (split-KV + graphs)
+#   bash loadtest/gpu_session.sh kernel-sweep [KNOB ...]  # launch-knob sweep for Hopper tuning
 #   bash loadtest/gpu_session.sh A         # BENCHMARKS.md workload A (Qwen3-0.6B shape)
 #   bash loadtest/gpu_session.sh B         # workload B (Llama-3.1-8B shape)
 #   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
@@ -23,12 +25,22 @@ git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 case "$stage" in
   tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-      tests/test_kernels_attention.py tests/test_kernels_store_kv.py tests/test_kernels_validation.py \
-      tests/test_models.py tests/test_llm.py tests/test_llm_engine.py tests/test_sampler.py tests/test_guided.py \
+      tests/test_kernels_attention.py tests/test_kernels_attention_split.py tests/test_kernels_store_kv.py \
+      tests/test_kernels_validation.py tests/test_models.py tests/test_llm.py tests/test_llm_engine.py \
+      tests/test_sampler.py tests/test_guided.py \
       -k "cuda or triton or gpu or guided or kernels or models" \
       2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)
     python3 -m loadtest.kernel_bench --out "$out/kernel_bench.json" 2>&1 | tee "$out/kernel_bench.log" ;;
+  kernel-tests)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_attention.py \
+      tests/test_kernels_attention_split.py tests/test_kernels_store_kv.py tests/test_kernels_validation.py \
+      2>&1 | tee "$out/kernel_tests.log" ;;
+  kernel-sweep)
+    # All knobs take ~minutes of compiles; name a few (e.g. NUM_SPLITS KV_TILE) to stay in one command.
+    shift
+    python3 -m loadtest.kernel_bench --out "$out/kernel_sweep.json" --sweep "$@" \
+      2>&1 | tee "$out/kernel_sweep.log" ;;
   A|B)
     python3 -m loadtest.gpu_bench --workload "$stage" --out "$out/gpu_bench_$stage.json" \
       2>&1 | tee "$out/gpu_bench_$stage.log" ;;
@@ -55,5 +67,6 @@ case "$stage" in
     python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
       --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
       --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|A|B|smoke|overlap|guided|profile|overhead)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead)"
+     exit 2 ;;
 esac

@@ -2,15 +2,23 @@
 
     python -m loadtest.kernel_bench [--out bench_out/kernel_bench.json] [--dtype bf16]
                                     [--heads 32] [--kv-heads 8] [--head-dim 128]
-                                    [--block-size 16] [--sweep]
+                                    [--block-size 16] [--sweep [KNOB ...]]
 
-Cases: decode 64 x ctx 1024, prefill 4 x 512, a mixed batch, a long-context
-small-batch decode, and store_kv for both batch shapes. Times are medians of
-triton.testing.do_bench (CUDA events). Achieved GB/s counts the bytes each
-kernel must move at minimum (every context K/V byte read once, Q read, O
-written); the reference line is a device-to-device copy's GB/s (read + write).
---sweep also times the attention cases for several launch knobs. Without CUDA
-it prints that it needs CUDA and exits 0.
+Cases: decode 64 x ctx 1024, prefill 4 x 512, a mixed batch, long-context
+small-batch decodes (4 x 8192, 2 x 16384), and store_kv for both batch shapes.
+Attention rows time the Triton kernel as the engine calls it (split-KV chosen
+by the heuristic; `splits` says how many segments it took), and for decode
+cases also the plain kernel forced (num_splits=1), so split vs unsplit vs the
+torch path come from one run. Times are medians of triton.testing.do_bench
+(CUDA events). Achieved GB/s counts the bytes each kernel must move at minimum
+(every context K/V byte read once, Q read, O written); the reference line is a
+device-to-device copy's GB/s (read + write).
+
+--sweep re-times the attention cases varying one launch knob at a time around
+the defaults (kernels/triton_attention.py: TILE_CAP, NUM_STAGES, NUM_WARPS,
+KV_TILE, NUM_SPLITS; kernels/triton_attention_split.py: SPLIT_TARGET_WAVES,
+MIN_SEGMENT_LEN); name knobs after --sweep to sweep only those. Without CUDA it
+prints that it needs CUDA and exits 0.
 """
 
 import argparse
@@ -74,22 +82,50 @@ def copy_gbps():
     return 2 * src.numel() / ms / 1e6
 
 
-def run_attention_case(name, q_lens, seq_lens, args, dtype):
+def run_attention_case(name, q_lens, seq_lens, args, dtype, compare=True):
+    """One attention case; compare=False (the sweep) times only the engine's call."""
     from kernels import paged_attention
+    from kernels import triton_attention as ta
     from kernels.torch_attention import paged_attention_torch
     kwargs, host = make_attention_case(q_lens, seq_lens, args.heads, args.kv_heads,
                                        args.head_dim, args.block_size, dtype)
     out = torch.empty_like(kwargs["query"])
-    tri = paged_attention(**kwargs, out=out).float()
-    ref = paged_attention_torch(**kwargs, **host).float()
-    max_err = (tri - ref).abs().max().item()
     nbytes, flops = attention_bytes_flops(q_lens, seq_lens, args.heads, args.kv_heads,
                                           args.head_dim, kwargs["query"].element_size())
-    t_ms = bench_ms(lambda: paged_attention(**kwargs, out=out))
-    torch_ms = bench_ms(lambda: paged_attention_torch(**kwargs, out=out, **host))
-    return dict(case=name, kernel="paged_attention", triton_ms=t_ms, torch_ms=torch_ms,
-                speedup=torch_ms / t_ms, bytes=nbytes, gbps=nbytes / t_ms / 1e6,
-                tflops=flops / t_ms / 1e9, max_abs_diff_vs_torch=max_err)
+    splits = splits_taken(kwargs, ta.NUM_SPLITS)
+    times = {splits: bench_ms(lambda: paged_attention(**kwargs, out=out))}
+    if compare and max(q_lens) == 1:
+        # Decode: split vs unsplit, whichever the heuristic took (a split it did not
+        # take runs at FORCED_SPLITS segments).
+        for n in (1, splits if splits > 1 else FORCED_SPLITS):
+            if n not in times:
+                times[n] = bench_ms(lambda: paged_attention(**kwargs, out=out, num_splits=n))
+    t_ms = times[splits]
+    row = dict(case=name, kernel="paged_attention", triton_ms=t_ms, bytes=nbytes,
+               gbps=nbytes / t_ms / 1e6, tflops=flops / t_ms / 1e9, splits=splits)
+    if len(times) > 1:
+        split_n = max(times)
+        row.update(unsplit_ms=times[1], split_ms=times[split_n], split_n=split_n,
+                   unsplit_gbps=nbytes / times[1] / 1e6,
+                   split_gbps=nbytes / times[split_n] / 1e6)
+    if compare:
+        tri = paged_attention(**kwargs, out=out).float()
+        ref = paged_attention_torch(**kwargs, **host).float()
+        torch_ms = bench_ms(lambda: paged_attention_torch(**kwargs, out=out, **host))
+        row.update(torch_ms=torch_ms, speedup=torch_ms / t_ms,
+                   max_abs_diff_vs_torch=(tri - ref).abs().max().item())
+    return row
+
+
+def splits_taken(kwargs, forced):
+    """The segment count paged_attention uses for this batch (1: the plain kernel)."""
+    from kernels import triton_attention_split as split_kv
+    if forced is not None:
+        return forced
+    block_size = kwargs["k_cache"].shape[1]
+    return split_kv.choose_num_splits(
+        kwargs["block_tables"].shape[0], kwargs["k_cache"].shape[2], kwargs["max_seqlen_q"],
+        kwargs["block_tables"].shape[1] * block_size, split_kv.num_sms(kwargs["query"].device))
 
 
 def run_store_case(name, num_tokens, args, dtype):
@@ -114,32 +150,73 @@ ATTENTION_CASES = {
     "prefill 4x512": ([512] * 4, [512] * 4),
     "mixed 32 dec x2048 + 2x256 chunk": ([1] * 32 + [256] * 2, [2048] * 32 + [1024] * 2),
     "decode 4x8192": ([1] * 4, [8192] * 4),
+    "decode 2x16384": ([1] * 2, [16384] * 2),
 }
+FORCED_SPLITS = 4  # a decode case the heuristic leaves unsplit is also timed split this way
 STORE_CASES = {"store_kv 64 tok": 64, "store_kv 2048 tok": 2048}
 
 
-def sweep(args, dtype):
-    """Re-time the attention cases for each launch-knob setting (for tuning)."""
-    import kernels.triton_attention as ta
-    saved = (ta.TILE_CAP, ta.NUM_STAGES)
+# knob -> (module, values); one knob varies at a time, the others stay at their defaults.
+SWEEP_KNOBS = {
+    "TILE_CAP": ("kernels.triton_attention", (16, 32, 64)),
+    "NUM_STAGES": ("kernels.triton_attention", (1, 2, 3, 4)),
+    "NUM_WARPS": ("kernels.triton_attention", (2, 4, 8)),
+    "KV_TILE": ("kernels.triton_attention", (16, 32, 64, 128)),
+    "NUM_SPLITS": ("kernels.triton_attention", (1, 2, 4, 8, 16, 32)),
+    "SPLIT_TARGET_WAVES": ("kernels.triton_attention_split", (1, 2, 4, 8)),
+    "MIN_SEGMENT_LEN": ("kernels.triton_attention_split", (64, 128, 256, 512, 1024)),
+}
+SPLIT_ONLY = ("NUM_SPLITS", "SPLIT_TARGET_WAVES", "MIN_SEGMENT_LEN")  # decode cases only
+
+
+def sweep(args, dtype, knobs):
+    """Re-time the attention cases (Triton only) for each value of each knob (for tuning)."""
+    import importlib
     rows = []
-    for tile_cap in (16, 32, 64):
-        for stages in (1, 2, 3):
-            ta.TILE_CAP, ta.NUM_STAGES = tile_cap, stages
+    for knob in knobs:
+        module_name, values = SWEEP_KNOBS[knob]
+        module = importlib.import_module(module_name)
+        saved = getattr(module, knob)
+        for value in values:
+            setattr(module, knob, value)
             for name, (q_lens, seq_lens) in ATTENTION_CASES.items():
-                row = run_attention_case(name, q_lens, seq_lens, args, dtype)
-                rows.append(dict(row, tile_cap=tile_cap, num_stages=stages))
-    ta.TILE_CAP, ta.NUM_STAGES = saved
+                if knob in SPLIT_ONLY and max(q_lens) > 1:
+                    continue
+                try:
+                    row = run_attention_case(name, q_lens, seq_lens, args, dtype,
+                                             compare=False)
+                except Exception as exc:  # e.g. out of shared memory: record, go on
+                    row = dict(case=name, error=f"{type(exc).__name__}: {exc}"[:300])
+                rows.append(dict(row, knob=knob, value=value))
+                print(format_sweep_row(rows[-1]), flush=True)
+        setattr(module, knob, saved)
     return rows
+
+
+def format_sweep_row(r):
+    head = f"{r['knob']:>18s} = {str(r['value']):5s}  {r['case']:36s}"
+    if "error" in r:
+        return f"{head} {r['error']}"
+    return f"{head} {r['triton_ms']:.4f} ms  {r['gbps']:6.0f} GB/s  splits {r['splits']}"
 
 
 def format_rows(rows, copy_rate):
     head = (f"{'case':36s} {'triton ms':>10s} {'torch ms':>10s} {'speedup':>8s} "
-            f"{'GB/s':>8s} {'%copy':>6s}")
+            f"{'GB/s':>8s} {'%copy':>6s} {'splits':>6s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['case']:36s} {r['triton_ms']:10.4f} {r['torch_ms']:10.4f} "
-                     f"{r['speedup']:8.2f} {r['gbps']:8.1f} {100 * r['gbps'] / copy_rate:6.1f}")
+                     f"{r['speedup']:8.2f} {r['gbps']:8.1f} {100 * r['gbps'] / copy_rate:6.1f} "
+                     f"{r.get('splits', ''):>6}")
+    decode = [r for r in rows if "unsplit_ms" in r]
+    if decode:
+        lines += ["", f"{'decode: split vs unsplit vs torch':36s} {'unsplit ms':>10s} "
+                      f"{'split ms':>10s} {'n':>3s} {'%copy u/s':>11s} {'split/torch':>11s}"]
+        for r in decode:
+            lines.append(
+                f"{r['case']:36s} {r['unsplit_ms']:10.4f} {r['split_ms']:10.4f} "
+                f"{r['split_n']:3d} {100 * r['unsplit_gbps'] / copy_rate:5.1f}/"
+                f"{100 * r['split_gbps'] / copy_rate:<5.1f} {r['torch_ms'] / r['split_ms']:11.2f}")
     return "\n".join(lines)
 
 
@@ -151,7 +228,9 @@ def parse_args(argv):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--sweep", action="store_true", help="also time launch-knob variants")
+    p.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_KNOBS), metavar="KNOB",
+                   help="also time launch-knob variants (all knobs, or those named: "
+                        + ", ".join(SWEEP_KNOBS) + ")")
     return p.parse_args(argv)
 
 
@@ -169,11 +248,8 @@ def main(argv=None) -> int:
     print(format_rows(rows, copy_rate))
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   config=vars(args), copy_gbps=copy_rate, rows=rows)
-    if args.sweep:
-        result["sweep"] = sweep(args, dtype)
-        for r in result["sweep"]:
-            print(f"tile_cap {r['tile_cap']:3d} stages {r['num_stages']}  {r['case']:36s} "
-                  f"{r['triton_ms']:.4f} ms  {r['gbps']:.0f} GB/s")
+    if args.sweep is not None:
+        result["sweep"] = sweep(args, dtype, args.sweep or list(SWEEP_KNOBS))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

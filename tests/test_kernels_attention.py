@@ -67,14 +67,15 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     )
 
 
-def check_against_ref(batch, dtype, backends=("triton", "torch")):
+def check_against_ref(batch, dtype, backends=("triton", "torch"), **triton_kwargs):
+    """Each backend's output against the reference; triton_kwargs go to the Triton call only."""
     ref = paged_attention_ref(**batch)
     tol = TOL[dtype]
     for name in backends:
         fn = paged_attention if name == "triton" else paged_attention_torch
         # NaN poison: any row the kernel forgets to write fails the test.
         out = torch.full_like(batch["query"], float("nan"))
-        got = fn(**batch, out=out)
+        got = fn(**batch, out=out, **(triton_kwargs if name == "triton" else {}))
         assert got is out, name
         assert not torch.isnan(out).any(), f"{name}: rows left unwritten (NaN)"
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=name)

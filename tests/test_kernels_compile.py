@@ -24,6 +24,7 @@ import torch, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from kernels import triton_attention as wrapper, triton_attention_kernel as attn, triton_store_kv as skv
+from kernels import triton_attention_split as split_kv
 
 TT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 H100 = GPUTarget("cuda", 90, 32)
@@ -33,17 +34,31 @@ def build(kernel, sig, consts, options):
     c = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=H100, options=options)
     return {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin"))}
 
-def attention(elem, max_q, group, head_dim, block_size):
+def attention(elem, max_q, group, head_dim, block_size, split):
     cfg = wrapper._launch_config(max_q, group, head_dim, block_size, TT[elem])
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     sig = {n: "*" + elem for n in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr")}
     sig.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")})
+    sig.update({n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")})
     sig["scale_log2"] = "fp32"
-    for n in ("num_seqs", "max_blocks", "stride_q_tok", "stride_q_head", "stride_q_dim",
-              "stride_o_tok", "stride_o_head", "stride_o_dim", "stride_c_blk", "stride_c_pos",
-              "stride_c_head", "stride_bt_seq"):
+    for n in ("num_seqs", "max_blocks", "num_splits", "stride_q_tok", "stride_q_head",
+              "stride_q_dim", "stride_o_tok", "stride_o_head", "stride_o_dim", "stride_c_blk",
+              "stride_c_pos", "stride_c_head", "stride_bt_seq", "stride_p_tok", "stride_p_head",
+              "stride_ml_tok", "stride_ml_head"):
         sig[n] = "i32"
-    return build(attn.paged_attention_kernel, sig, dict(cfg, BLOCK_SIZE=block_size), options)
+    consts = dict(cfg, BLOCK_SIZE=block_size, SPLIT=bool(split))
+    return build(attn.paged_attention_kernel, sig, consts, options)
+
+def reduce_splits(elem, head_dim, splits):
+    sig = {"out_ptr": "*" + elem}
+    sig.update({n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")})
+    for n in ("num_rows", "num_heads", "num_splits", "stride_o_tok", "stride_o_head",
+              "stride_o_dim"):
+        sig[n] = "i32"
+    splits_p, head_dim_p = triton.next_power_of_2(splits), triton.next_power_of_2(head_dim)
+    block_r = max(1, split_kv.REDUCE_TILE_ELEMS // (splits_p * head_dim_p))
+    consts = dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=splits_p, BLOCK_R=block_r)
+    return build(split_kv.reduce_splits_kernel, sig, consts, {"num_warps": 4})
 
 def store_kv():
     sig = {n: "*bf16" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
@@ -55,20 +70,25 @@ def store_kv():
     return build(skv._store_kv_kernel, sig, dict(HEAD_DIM=80, HEAD_DIM_P=128, BLOCK_H=8),
                  {"num_warps": 4})
 
-results = {"store_kv": store_kv()}
+results = {"store_kv": store_kv(), "reduce-bf16-128-9": reduce_splits("bf16", 128, 9),
+           "reduce-fp16-80-16": reduce_splits("fp16", 80, 16)}
 for cfg in json.loads(sys.argv[1]):
     results["-".join(map(str, cfg))] = attention(*cfg)
 print(json.dumps(results))
 '''
 
-# (dtype, max_seqlen_q, group, head_dim, block_size): decode and prefill, both
-# K/V addressing paths (block_size 24 takes the per-key gather), padded head_dims.
+# (dtype, max_seqlen_q, group, head_dim, block_size, split): decode and prefill, both
+# K/V addressing paths (block_size 24 takes the per-key gather), padded head_dims,
+# the split-KV variant (partials instead of the output) for decode and a chunk.
 ATTN_CONFIGS = [
-    ("fp16", 1, 4, 128, 16),
-    ("bf16", 512, 1, 80, 32),
-    ("fp16", 64, 8, 64, 24),
-    ("bf16", 128, 2, 256, 16),
+    ("fp16", 1, 4, 128, 16, 0),
+    ("bf16", 512, 1, 80, 32, 0),
+    ("fp16", 64, 8, 64, 24, 0),
+    ("bf16", 128, 2, 256, 16, 0),
+    ("bf16", 1, 4, 128, 16, 1),
+    ("bf16", 8, 2, 80, 24, 1),
 ]
+NUM_REDUCE_CONFIGS = 2
 SHARED_MEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_90
 
 
@@ -81,7 +101,7 @@ def test_kernels_compile_for_h100():
         pytest.skip("this triton build has no ahead-of-time CUDA backend")
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(ATTN_CONFIGS) + 1
+    assert len(results) == len(ATTN_CONFIGS) + 1 + NUM_REDUCE_CONFIGS
     for name, info in results.items():
         assert info["cubin"], f"{name}: no cubin produced"
         assert info["shared"] <= SHARED_MEM_LIMIT, f"{name}: {info['shared']} B shared memory"

@@ -10,7 +10,8 @@ import os
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_TRITON_MODULES = ("kernels.triton_attention_kernel", "kernels.triton_attention",
+_TRITON_MODULES = ("kernels.triton_attention_kernel", "kernels.triton_attention_split",
+                   "kernels.triton_attention",
                    "kernels.triton_store_kv", "kernels")
 
 if DEVICE == "cpu":
