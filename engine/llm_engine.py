@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -36,6 +37,8 @@ class LLMEngine:
         self.config = config = _resolve_defaults(config, self.model_config)
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer)
         self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
+        # Workers and the process group go when the engine does, even if nobody calls shutdown().
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
@@ -205,7 +208,8 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Stop the TP workers and leave the process group; idempotent."""
+        self._finalizer()
 
 
 def _resolve_defaults(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
