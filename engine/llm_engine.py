@@ -47,7 +47,6 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.num_generated_tokens = 0  # lifetime counter, for metrics
-        self.num_preemptions = 0
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
                     self.executor.num_kv_blocks, config.block_size)
 
@@ -104,7 +103,6 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        self.num_preemptions += len(sched_out.preempted)
         if sched_out.is_empty:
             return []
         # Which sequences sample, read before update_from_output advances them.
@@ -204,7 +202,7 @@ class LLMEngine:
             "kv_cache_usage": bm.usage,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_generated_tokens": self.num_generated_tokens,
-            "num_preemptions": self.num_preemptions,
+            "num_preemptions": self.scheduler.num_preemptions,
         }
 
     def shutdown(self) -> None:

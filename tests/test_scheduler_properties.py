@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, assert_no_leak
+from engine.block_manager import BlockManager
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -119,7 +119,7 @@ class Harness:
                 assert len(out) == sp.max_tokens or seq.num_tokens == P_LEN
             else:
                 assert seq.finish_reason == "abort"
-        assert_no_leak(self.bm)
+        self.bm.check_no_leak()
 
 
 @settings(max_examples=300, deadline=None)
