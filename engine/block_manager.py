@@ -131,9 +131,11 @@ class BlockManager:
         if admitting:
             seq.num_computed_tokens = num_computed_from_cache
             self._num_registered_blocks[seq.seq_id] = len(hit_ids)
+        shared = self._pending_shares.pop(seq.seq_id, None)
+        if shared is not None:  # a sibling's share_prefix (maybe of 0 blocks), now admitted for good
+            self._count_prefix_query(*shared)
+        elif admitting:
             self._count_prefix_query(seq.num_tokens, num_computed_from_cache)
-        elif seq.seq_id in self._pending_shares:  # a sibling's share_prefix, now admitted for good
-            self._count_prefix_query(*self._pending_shares.pop(seq.seq_id))
         return True
 
     def share_prefix(self, src_seq: Sequence, dst_seq: Sequence) -> int:

@@ -1,10 +1,12 @@
-"""Scheduler property test: random add / step / abort sequences, invariants after every step
-(blocks, ref counts, KV contents, finish reasons), and every request finishes."""
+"""Scheduler property test: random add / step / abort sequences (n > 1 siblings sharing a prompt,
+prefix-cache hits, preemption when a small cache runs out), invariants after every step (blocks
+conserved and never owned twice, ref counts never negative, KV contents, the prefix-cache
+counters equal to the tokens really reused, finish reasons), and everything free at the end."""
 from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
@@ -35,6 +37,9 @@ class Harness:
         self.kv: dict[int, tuple[int, ...]] = {}
         self.seqs: list[Sequence] = []
         self.request_ids: list[str] = []
+        self.caching = caching
+        self.num_queried_tokens = 0  # what the block manager's hit-rate counters must say
+        self.num_hit_tokens = 0
 
     def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop):
         sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens or min_tokens),
@@ -59,9 +64,13 @@ class Harness:
     def step(self, seed, abort_mid=False):
         rng = random.Random(seed)
         had_work = self.sched.has_unfinished_seqs()
+        waiting = set(self.sched.waiting)
         out = self.sched.schedule()
         assert out.seqs or not had_work, "a step with unfinished requests scheduled nothing"
         self._check_schedule(out)
+        self._count_reuse([s for s in out.seqs if s in waiting])
+        if out.preempted:
+            event("preempted")
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             self._run_model(seq, n)
         sampled = [rng.randrange(VOCAB) for f in out.sample_flags() if f]
@@ -69,6 +78,18 @@ class Harness:
             self.sched.abort(rng.choice(self.sched.running).request_id)
         self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         self._check_state()
+
+    def _count_reuse(self, admitted):
+        """Admitted this step: their computed tokens are the cached or shared ones they reuse (the
+        fake KV check in _run_model proves those are right); each admission counts once."""
+        for seq in admitted:
+            if seq.num_computed_tokens:
+                event("prefix reused (shared by a sibling or from the cache)")
+            if self.caching:
+                self.num_queried_tokens += seq.num_tokens
+                self.num_hit_tokens += seq.num_computed_tokens
+        assert (self.bm.num_queried_tokens, self.bm.num_hit_tokens) == (self.num_queried_tokens,
+                                                                        self.num_hit_tokens)
 
     def _slot(self, seq, pos):
         return seq.block_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
@@ -96,6 +117,10 @@ class Harness:
         sched, bs = self.sched, self.bm.block_size
         assert sched.num_running <= sched.max_num_seqs
         assert all(not s.block_table and s.num_computed_tokens == 0 for s in sched.waiting)
+        assert min(self.bm.ref_counts) >= 0
+        owned = {b for s in sched.running for b in s.block_table}
+        assert len(owned) + self.bm.get_num_free_blocks() == self.bm.num_blocks, "blocks not conserved"
+        assert all(len(set(s.block_table)) == len(s.block_table) for s in sched.running)
         self.bm.check_invariants(list(sched.running) + list(sched.waiting))
         holders: dict[int, list[tuple[Sequence, int]]] = {}
         for seq in sched.running:
@@ -123,7 +148,8 @@ class Harness:
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=st.lists(st.one_of(_add, _add, _step, _abort), max_size=40), num_blocks=st.integers(2, 24),
+@given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort), max_size=40),
+       num_blocks=st.integers(3, 8) | st.integers(2, 24),  # small caches preempt often
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
        caching=st.booleans())
 def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching):
