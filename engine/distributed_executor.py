@@ -63,7 +63,7 @@ def init_group(rank: int, config: EngineConfig) -> None:
 class _Worker:
     """One worker process: its pipe, and a thread that forwards its stderr and notices its exit."""
 
-    def __init__(self, rank: int, payload: tuple, on_exit: Callable[["_Worker"], None]):
+    def __init__(self, rank: int, on_exit: Callable[["_Worker"], None]):
         self.rank = rank
         parent, child = mp.Pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -76,7 +76,6 @@ class _Worker:
         self._thread = threading.Thread(target=self._pump, args=(on_exit,), name=f"tp-worker-{rank}-stderr",
                                         daemon=True)
         self._thread.start()
-        self.conn.send(payload)
 
     def _pump(self, on_exit) -> None:
         for raw in iter(self.proc.stderr.readline, b""):
@@ -144,8 +143,8 @@ class MultiprocExecutor:
         self.workers: list[_Worker] = []
         try:
             for rank in range(1, config.tensor_parallel_size):
-                payload = (rank, config, model_config, model_path, eos_token_ids)
-                self.workers.append(_Worker(rank, payload, self._on_worker_exit))
+                self.workers.append(_Worker(rank, self._on_worker_exit))
+                self.workers[-1].conn.send((rank, config, model_config, model_path, eos_token_ids))
             # Join the group only once every worker is about to: a worker that dies while
             # importing would otherwise leave rank 0 waiting in the rendezvous.
             for w in self.workers:
