@@ -150,3 +150,22 @@ def test_worker_killed_while_running_fails_the_next_step_and_leaves_nothing(tiny
 def test_worker_start_timeout_is_validated():
     with pytest.raises(ValueError, match="worker_start_timeout_s=0"):
         EngineConfig(model="unused", worker_start_timeout_s=0)
+
+
+def test_a_script_without_a_main_guard_runs_tp(tiny_llama, tmp_path):
+    """Workers are fresh interpreters (python -m engine.tp_worker), not multiprocessing spawn
+    children re-importing the script: no `if __name__ == "__main__":` guard is needed."""
+    import subprocess
+    import sys
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({tiny_llama!r}, tensor_parallel_size=2, device='cpu', dtype='float32', num_kv_blocks=64)\n"
+        "out = llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True),\n"
+        "                   use_tqdm=False)\n"
+        "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TOKENS 3" in done.stdout
