@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import event, given, settings
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
@@ -149,7 +149,7 @@ class Harness:
 
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort), max_size=40),
-       num_blocks=st.integers(3, 8) | st.integers(2, 24),  # small caches preempt often
+       num_blocks=st.integers(5, 10) | st.integers(2, 24),  # small caches preempt often
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
        caching=st.booleans())
 def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching):
@@ -167,3 +167,4 @@ def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num
             break
         h.step(i)
     h.check_finished()
+    target(float(h.sched.num_preemptions), label="preemptions")  # steer generation toward preempting
