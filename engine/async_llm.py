@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
@@ -39,6 +40,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
+    """Lifecycle: `shutdown()`, `with AsyncLLM(...)` / `async with`, or best effort when collected
+    (the step thread holds only a weak reference). A TP worker that dies fails every waiter
+    with EngineDeadError at once, from the executor's watcher thread, and check_health raises."""
+
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any):
         config = config or EngineConfig(**kwargs)
         self.engine = LLMEngine(config)
@@ -48,8 +53,23 @@ class AsyncLLM:
         self._stop = False
         self._error: BaseException | None = None
         self._stats = self.engine.get_stats()
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        ref = weakref.ref(self)
+        self.engine.executor.set_failure_callback(lambda e: _call_if_alive(ref, "_die", e))
+        self._thread = threading.Thread(target=AsyncLLM._loop, args=(ref,), name="engine-step-loop", daemon=True)
+        self._finalizer = weakref.finalize(self, _stop_engine, self._pending, self._wakeup, self.engine)
         self._thread.start()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     @property
     def tokenizer(self):
@@ -120,12 +140,19 @@ class AsyncLLM:
         self._raise_if_dead()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight (each waiter gets a final 'abort' output) and stop the loop."""
+        """Abort everything in flight (each waiter gets a final 'abort' output), stop the loop and the
+        engine (TP workers, process group). Idempotent."""
         for request_id in list(self._waiters):
             self._submit(("abort", request_id))
         self._submit(("stop", None))
-        self._thread.join(timeout)
-        self.engine.shutdown()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._finalizer()
+
+    def inject_step_error_for_testing(self, error: BaseException) -> None:
+        """Test-only fault hook: the step loop raises `error` at its next iteration, as if the
+        engine had failed there."""
+        self._submit(("raise", error))
 
     # -- the step thread ------------------------------------------------------------
     def _submit(self, item) -> None:
@@ -138,25 +165,46 @@ class AsyncLLM:
         if self._stop or not self._thread.is_alive():
             raise EngineDeadError("the engine has been shut down")
 
-    def _run(self) -> None:
+    @staticmethod
+    def _loop(ref: "weakref.ref[AsyncLLM]") -> None:
+        # A weak reference between iterations, so a dropped AsyncLLM is collected (and its
+        # finalizer stops the engine) instead of being kept alive by its own thread.
+        while True:
+            self = ref()
+            if self is None or not self._run_once():
+                return
+            del self
+
+    def _run_once(self) -> bool:
+        """One drain + step (or an idle wait); False once the loop has stopped or died."""
         try:
-            while not self._stop:
-                self._drain_pending()
-                if not self.engine.has_unfinished_requests():
-                    self._stats = self._snapshot_stats()
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-                    continue
-                outputs = self.engine.step()
-                self._stats = self._snapshot_stats()  # before delivery: a reader never sees stale stats
-                self._deliver([(out.request_id, out) for out in outputs])
+            self._drain_pending()
+            if self._error is not None:  # failed from the executor's watcher: waiters were told
+                return False
+            if self._stop:
+                # Stopped: whoever registered after shutdown's aborts would otherwise wait forever.
+                self._fail_all(EngineDeadError("the engine has been shut down"))
+                return False
+            if not self.engine.has_unfinished_requests():
+                self._stats = self._snapshot_stats()
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                return True
+            outputs = self.engine.step()
+            self._stats = self._snapshot_stats()  # before delivery: a reader never sees stale stats
+            self._deliver([(out.request_id, out) for out in outputs])
+            return True
         except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("engine step loop died")
-            self._error = e
-            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
-            return
-        # Stopped: whoever registered after shutdown's aborts would otherwise wait forever.
-        self._fail_all(EngineDeadError("the engine has been shut down"))
+            self._die(e)
+            return False
+
+    def _die(self, error: BaseException) -> None:
+        """The engine cannot go on (the step loop raised, or a TP worker exited): fail every waiter."""
+        if self._error is None:
+            self._error = error
+        self._fail_all(EngineDeadError(f"the engine loop died: {self._error!r}"))
+        self._wakeup.set()
 
     def _snapshot_stats(self) -> dict[str, float]:
         # The step thread's own CPU time: what the engine costs, apart from the event loop's work.
@@ -176,6 +224,8 @@ class AsyncLLM:
                     self._deliver_one(arg, out)
             elif op == "stop":
                 self._stop = True
+            elif op == "raise":
+                raise arg
 
     def _deliver(self, outputs: list) -> None:
         """Hand (request_id, output or error) pairs to their readers: one wake-up per event loop."""
@@ -195,6 +245,19 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         self._deliver([(request_id, error) for request_id in list(self._waiters)])
+
+
+def _call_if_alive(ref: weakref.ref, method: str, *args) -> None:
+    obj = ref()
+    if obj is not None:
+        getattr(obj, method)(*args)
+
+
+def _stop_engine(pending: collections.deque, wakeup: threading.Event, engine: LLMEngine) -> None:
+    """Finalizer: stop the step loop (if it still runs) and the engine, holding no AsyncLLM."""
+    pending.append(("stop", None))
+    wakeup.set()
+    engine.shutdown()
 
 
 def _put_all(batch: list[tuple[str, RequestOutputCollector, RequestOutput | BaseException]]) -> None:

@@ -60,9 +60,12 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # seq_id -> how many leading blocks of its table cache_full_blocks has already looked at.
         self._num_registered_blocks: dict[int, int] = {}
-        # Prefix-cache hit rate = num_hit_tokens / num_queried_tokens (tokens, as vLLM counts them).
+        # Prefix-cache hit rate = num_hit_tokens / num_queried_tokens (tokens, as vLLM counts them),
+        # counted once per admission that succeeds: an allocation that fails is retried later.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # seq_id -> (tokens queried, tokens shared) of a share_prefix whose allocate_slots is pending.
+        self._pending_shares: dict[int, tuple[int, int]] = {}
 
     # -- queries -------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -128,9 +131,11 @@ class BlockManager:
         if admitting:
             seq.num_computed_tokens = num_computed_from_cache
             self._num_registered_blocks[seq.seq_id] = len(hit_ids)
-            if self.enable_prefix_caching:
-                self.num_queried_tokens += seq.num_tokens
-                self.num_hit_tokens += num_computed_from_cache
+        shared = self._pending_shares.pop(seq.seq_id, None)
+        if shared is not None:  # a sibling's share_prefix (maybe of 0 blocks), now admitted for good
+            self._count_prefix_query(*shared)
+        elif admitting:
+            self._count_prefix_query(seq.num_tokens, num_computed_from_cache)
         return True
 
     def share_prefix(self, src_seq: Sequence, dst_seq: Sequence) -> int:
@@ -150,9 +155,8 @@ class BlockManager:
         dst_seq.block_table.extend(shared_ids)
         dst_seq.num_computed_tokens = num_shared
         self._num_registered_blocks[dst_seq.seq_id] = num_blocks
-        if self.enable_prefix_caching:
-            self.num_queried_tokens += dst_seq.num_tokens
-            self.num_hit_tokens += num_shared
+        # Counted by the allocate_slots that follows, if it succeeds (else free() forgets it).
+        self._pending_shares[dst_seq.seq_id] = (dst_seq.num_tokens, num_shared)
         return num_shared
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -190,8 +194,14 @@ class BlockManager:
                     self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table.clear()
         self._num_registered_blocks.pop(seq.seq_id, None)
+        self._pending_shares.pop(seq.seq_id, None)
 
     # -- internals -----------------------------------------------------------
+    def _count_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
+
     def _update_block_hashes(self, seq: Sequence) -> None:
         """Extend `seq.block_hashes` to every full block of its tokens (tokens are append-only)."""
         bs, hashes = self.block_size, seq.block_hashes
@@ -239,11 +249,6 @@ class BlockManager:
         assert len(self.free_block_ids) == self.num_blocks, (
             f"free queue has {len(self.free_block_ids)} of {self.num_blocks} blocks")
         self.check_invariants([])
-
-
-def assert_no_leak(block_manager: BlockManager) -> None:
-    """For tests: every block is free again (raises AssertionError with details otherwise)."""
-    block_manager.check_no_leak()
 
 
 def _diff(name: str, actual: list[int], expected: list[int]) -> str:

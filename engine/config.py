@@ -139,6 +139,7 @@ class EngineConfig:
     # is nothing to overlap). True with tensor_parallel_size > 1 is refused.
     async_scheduling: bool | None = None
     distributed_init_method: str | None = None  # "tcp://host:port" for TP workers; None picks a free local port
+    worker_start_timeout_s: float = 120.0       # a TP worker not up by then fails start-up, naming its rank
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, _DTYPES)
@@ -154,6 +155,8 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: must be in (0, 1]")
+        if not self.worker_start_timeout_s > 0:
+            raise ValueError(f"worker_start_timeout_s={self.worker_start_timeout_s} is invalid: must be > 0")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb} is invalid: must be > 0")
         if self.async_scheduling not in (None, True, False):

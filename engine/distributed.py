@@ -8,15 +8,19 @@ Worker processes that call `init_tp_group` are started elsewhere.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 
-def init_tp_group(rank: int, world_size: int, init_method: str, backend: str | None = None) -> None:
+def init_tp_group(rank: int, world_size: int, init_method: str, backend: str | None = None,
+                  timeout: timedelta | None = None) -> None:
     """Join the TP group. `init_method` ("tcp://host:port") comes from the caller, never a fixed port.
 
     backend: None picks NCCL when CUDA is available, else gloo. With NCCL the
     process binds to GPU `rank % device_count`, so each rank owns one device.
+    timeout: how long the rendezvous and each collective may wait for the other ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} is invalid: must be >= 1")
@@ -25,11 +29,14 @@ def init_tp_group(rank: int, world_size: int, init_method: str, backend: str | N
     if not init_method:
         raise ValueError("init_method is required, e.g. 'tcp://127.0.0.1:29500'")
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized in this process")
+        raise RuntimeError("torch.distributed is already initialized in this process: another "
+                           "tensor-parallel engine is still alive here. Shut it down first "
+                           "(llm.shutdown(), or build it with `with LLM(...) as llm:`)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
 
 
 def destroy_tp_group() -> None:

@@ -33,5 +33,8 @@ class UniprocExecutor:
     def free_seq(self, seq_id: int) -> None:
         self.runner.free_seq(seq_id)
 
+    def set_failure_callback(self, callback) -> None:
+        """Nothing runs outside this process, so nothing can die behind the engine's back."""
+
     def shutdown(self) -> None:
         pass

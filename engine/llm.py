@@ -13,11 +13,28 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    """`LLM(model=..., **engine_knobs)`; `generate(prompts, sampling_params)` returns outputs in input order."""
+    """`LLM(model=..., **engine_knobs)`; `generate(prompts, sampling_params)` returns outputs in input order.
+
+    Lifecycle: `llm.shutdown()`, or `with LLM(...) as llm:`, stops the TP worker processes and
+    leaves the process group, so another engine (TP or not) can start in this process. An
+    engine that is simply dropped is shut down when it is garbage collected (best effort).
+    """
 
     def __init__(self, model: str, **kwargs: Any):
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = itertools.count()
+        self._closed = False
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop worker processes and release the process group; idempotent."""
+        self._closed = True
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -25,6 +42,8 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down; build a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))

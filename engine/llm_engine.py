@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -36,6 +37,8 @@ class LLMEngine:
         self.config = config = _resolve_defaults(config, self.model_config)
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer)
         self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
+        # Workers and the process group go when the engine does, even if nobody calls shutdown().
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
@@ -47,7 +50,6 @@ class LLMEngine:
         self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
         self.num_host_waits = 0  # overlapped steps that waited for the previous tokens (grammar, penalties)
         self.num_generated_tokens = 0  # lifetime counter, for metrics
-        self.num_preemptions = 0
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
                     self.executor.num_kv_blocks, config.block_size)
 
@@ -113,7 +115,6 @@ class LLMEngine:
         bitmask, penalties, min_tokens) samples after that processing instead.
         """
         sched_out = self.scheduler.schedule()
-        self.num_preemptions += len(sched_out.preempted)
         if sched_out.is_empty:
             return self._process_inflight()
         handle = self.executor.forward(sched_out)
@@ -235,12 +236,13 @@ class LLMEngine:
             "kv_cache_usage": bm.usage,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_generated_tokens": self.num_generated_tokens,
-            "num_preemptions": self.num_preemptions,
+            "num_preemptions": self.scheduler.num_preemptions,
             "num_host_waits": self.num_host_waits,
         }
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Stop the TP workers and leave the process group; idempotent."""
+        self._finalizer()
 
 
 def _resolve_defaults(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:

@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.distributed import get_tp_size
 from engine.forward_context import AttentionMetadata, set_forward_context
 from engine.gguf_config import gguf_source
+from engine.kv_cache import allocate_kv_tensor
 from engine.layers.attention import Attention
 from engine.layers.cpu_gemm import pack_module_weight
 from engine.layers.embed_head import ParallelLMHead
@@ -162,10 +163,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # Zero-filled: padded key positions are masked, but 0 * NaN garbage would still poison a row.
+        # On CPU the zero pages are the kernel's, made resident only when written (engine/kv_cache.py).
         shape = self._kv_cache_shape(num_blocks)
         for layer in self.attn_layers:
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = allocate_kv_tensor(shape, self.dtype, self.device)
+            layer.v_cache = allocate_kv_tensor(shape, self.dtype, self.device)
 
     # -- one step ------------------------------------------------------------
     # execute_model = collect(sample(forward(...))). The engine calls the three apart to overlap

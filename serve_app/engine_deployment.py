@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -30,6 +31,8 @@ from serve_app.placement import expose_bundle_gpus, use_cpu_threads
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
 SHUTDOWN_MESSAGE = "The request was aborted: the engine replica is shutting down. Please retry."
+# Set to "1" in a replica's environment to allow fault_injection_for_testing (the fault tests do).
+FAULT_INJECTION_ENV = "RAYLLM_ENABLE_FAULT_INJECTION"
 
 
 @serve.deployment(name="EngineDeployment")
@@ -86,8 +89,21 @@ class EngineDeployment:
                 **self.llm.get_stats()}
 
     async def check_health(self) -> None:
-        """Serve calls this every health_check_period_s; raising makes it replace the replica."""
+        """Serve calls this every health_check_period_s; raising makes it replace the replica.
+        It raises once the step loop died or a TP worker exited (AsyncLLM sets that within a
+        moment, from the executor's watcher thread)."""
         await self.llm.check_health()
+
+    async def fault_injection_for_testing(self, op: str) -> dict[str, Any]:
+        """Test-only, refused unless FAULT_INJECTION_ENV=1: "pids" gives this replica's pid and its TP
+        workers'; "step_error" makes the engine's step loop raise, as a bug there would."""
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1)")
+        if op == "step_error":
+            self.llm.inject_step_error_for_testing(RuntimeError("fault injected by a test"))
+        elif op != "pids":
+            raise ValueError(f"unknown fault injection op {op!r}")
+        return {"replica": os.getpid(), "tp_workers": list(getattr(self.llm.engine.executor, "worker_pids", []))}
 
     def __del__(self):
         # Serve calls this after graceful_shutdown_timeout_s of draining; what is still in

@@ -4,7 +4,6 @@ Everything the client sent wrong becomes a 4xx here; a 500 means our bug, never 
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -116,6 +115,3 @@ _KNOWN_PARAMS = {
     "response_format", "structured_outputs.json", "structured_outputs",
 }
 
-
-def error_json(err: OpenAIError) -> str:
-    return json.dumps(err.body())

@@ -201,3 +201,80 @@ def test_negative_stream_interval_is_rejected(make_llm):
 
 async def _collect_interval(llm, interval):
     return [out async for out in llm.generate("hi", SamplingParams(max_tokens=2), "neg", stream_interval_s=interval)]
+
+
+def test_tp_worker_death_fails_every_waiter_within_5s_and_health(tiny_llama):
+    """A TP worker killed mid-generation: noticed by the executor's watcher, not a collective timeout."""
+    import os
+    import signal
+    import time
+
+    from test_distributed_executor import resources, wait_until_released
+    before = resources()
+    llm = AsyncLLM(EngineConfig(model=tiny_llama, device="cpu", dtype="float32", tensor_parallel_size=2,
+                                num_kv_blocks=64))
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=10_000 // 64, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        streams = [llm.generate(f"prompt {i}", params, f"r{i}") for i in range(3)]
+        for s in streams:
+            await s.__anext__()  # every request is running
+        os.kill(llm.engine.executor.worker_pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+
+        async def drain(s):
+            async for _ in s:
+                pass
+        results = await asyncio.wait_for(asyncio.gather(*map(drain, streams), return_exceptions=True), 10)
+        assert time.monotonic() - t0 < 5
+        assert all(isinstance(r, EngineDeadError) and "rank 1" in str(r) for r in results), results
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+    asyncio.run(main())
+    llm.shutdown()
+    wait_until_released(before)
+
+
+@pytest.mark.parametrize("how", ["with", "async with", "gc"])
+def test_lifecycle_leaves_nothing_behind(tiny_llama, how):
+    import gc
+
+    from test_distributed_executor import resources, wait_until_released
+    before = resources()
+    config = EngineConfig(model=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main():
+        if how == "with":
+            with AsyncLLM(config) as llm:
+                await _collect(llm, "hi", params, "a")
+        elif how == "async with":
+            async with AsyncLLM(config) as llm:
+                await _collect(llm, "hi", params, "a")
+        else:
+            llm = AsyncLLM(config)
+            await _collect(llm, "hi", params, "a")
+            del llm
+            gc.collect()
+    asyncio.run(main())
+    wait_until_released(before)
+
+
+def test_injected_step_error_reaches_every_waiter(make_llm):
+    """The test-only hook the serving fault tests use: the step loop raises, everyone hears."""
+    llm = make_llm()
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        streams = [llm.generate(f"p{i}", params, f"r{i}") for i in range(2)]
+        for s in streams:
+            await s.__anext__()
+        llm.inject_step_error_for_testing(RuntimeError("injected in the step loop"))
+        for s in streams:
+            with pytest.raises(EngineDeadError, match="injected in the step loop"):
+                async for _ in s:
+                    pass
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+    asyncio.run(main())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, assert_no_leak, hash_block_tokens
+from engine.block_manager import BlockManager, hash_block_tokens
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -59,7 +59,7 @@ def test_free_order_uncached_blocks_reused_first():
     bm.free(a)
     # Nothing cached: freed blocks go to the front, so the next request gets the same ids back.
     assert list(bm.free_block_ids) == [0, 1, 2, 3, 4, 5]
-    assert_no_leak(bm)
+    bm.check_no_leak()
 
 
 def test_prefix_hit_reuses_exact_blocks():
@@ -75,7 +75,7 @@ def test_prefix_hit_reuses_exact_blocks():
     assert bm.prefix_cache_hit_rate == pytest.approx(8 / 21)
     bm.free(a)
     bm.free(b)
-    assert_no_leak(bm)
+    bm.check_no_leak()
 
 
 def test_partial_blocks_never_cached():
@@ -161,7 +161,7 @@ def test_twin_computation_keeps_first_block_cached():
     bm.free(b)
     assert list(bm.free_block_ids)[:2] == [2, 3]  # b's plain blocks are reused first, in order
     bm.free(a)
-    assert_no_leak(bm)
+    bm.check_no_leak()
 
 
 def test_share_prefix_ref_counts():
@@ -177,7 +177,7 @@ def test_share_prefix_ref_counts():
     bm.free(src)
     assert bm.ref_counts[:4] == [1, 1, 0, 1]
     bm.free(dst)
-    assert_no_leak(bm)
+    bm.check_no_leak()
 
 
 def test_share_prefix_block_aligned_prompt_leaves_last_block():
@@ -210,12 +210,38 @@ def test_no_leak_reports_held_blocks():
     a = make_seq(range(5))
     admit(bm, a)
     with pytest.raises(AssertionError, match=r"leaked.*\{0: 1, 1: 1\}"):
-        assert_no_leak(bm)
+        bm.check_no_leak()
     bm.free(a)
-    assert_no_leak(bm)
+    bm.check_no_leak()
 
 
 @pytest.mark.parametrize("num_blocks, block_size", [(0, 16), (4, 0), (4, 2.5)])
 def test_bad_sizes_rejected(num_blocks, block_size):
     with pytest.raises(ValueError, match="invalid"):
         BlockManager(num_blocks, block_size)
+
+
+
+def test_a_share_whose_allocation_fails_and_is_retried_counts_once():
+    """The scheduler frees a sibling whose tail block did not fit and retries next step: the hit
+    rate once counted the shared tokens (and the query) on every try."""
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    src, dst = make_seq(range(10)), make_seq(range(10))
+    admit(bm, src)  # blocks 0, 1, 2: the cache is full
+    compute(bm, src)
+    assert (bm.num_queried_tokens, bm.num_hit_tokens) == (10, 0)
+    for _ in range(3):  # share, no block for the tail, give back: as Scheduler._admit does
+        assert bm.share_prefix(src, dst) == 8
+        assert not bm.allocate_slots(dst, 2)
+        bm.free(dst)
+        dst.num_computed_tokens = 0
+    assert (bm.num_queried_tokens, bm.num_hit_tokens) == (10, 0)
+    bm.check_invariants([src])
+
+    bm = BlockManager(num_blocks=4, block_size=BS)  # room for the tail: counted once, on success
+    src, dst = make_seq(range(10)), make_seq(range(10))
+    admit(bm, src)
+    compute(bm, src)
+    assert bm.share_prefix(src, dst) == 8 and bm.allocate_slots(dst, 2)
+    assert bm.allocate_slots(dst, 1)  # later growth of the same sequence counts nothing more
+    assert (bm.num_queried_tokens, bm.num_hit_tokens) == (20, 8)

@@ -216,13 +216,13 @@ def _texts(outs) -> list[str]:
 def test_nested_schema_at_temperature_one_with_n_and_preemption(llm):
     params = [SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=120, structured_outputs=_json(ORDER))
               for seed in range(3)]
-    preempted_before = llm.llm_engine.num_preemptions
+    preempted_before = llm.llm_engine.scheduler.num_preemptions
     outs = llm.generate(["Order:", "Give me JSON", "Order:"], params, use_tqdm=False)  # + prefix cache hits
     assert all(c.finish_reason == "stop" for out in outs for c in out.outputs)
     for text in _texts(outs):
         VALIDATOR.validate(json.loads(text))
     assert len(set(_texts(outs))) > 1  # temperature 1.0 did sample
-    assert llm.llm_engine.num_preemptions > preempted_before, "the small cache should have forced preemption"
+    assert llm.llm_engine.scheduler.num_preemptions > preempted_before, "the small cache should have forced preemption"
     llm.llm_engine.block_manager.check_no_leak()
 
 

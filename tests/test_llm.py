@@ -52,7 +52,7 @@ def test_greedy_equals_hf(arch, regime, request):
     prompts = _prompts(llm.llm_engine.model_config.vocab_size)
     _check_against_hf(path, llm, prompts)
     if regime.endswith("preemption"):
-        assert llm.llm_engine.num_preemptions > 0, "the tiny cache should have forced preemption"
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the tiny cache should have forced preemption"
 
 
 def test_prefix_caching_family(tiny_llama):
@@ -259,7 +259,7 @@ def test_cuda_greedy_equals_hf(arch, regime, request):
     prompts = _prompts(llm.llm_engine.model_config.vocab_size)
     _check_against_hf(path, llm, prompts)
     if regime.endswith("preemption"):
-        assert llm.llm_engine.num_preemptions > 0, "the tiny cache should have forced preemption"
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the tiny cache should have forced preemption"
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ def test_overlapped_equals_sequential(tiny_llama, regime, device):
     assert results[True] == results[False]
     assert engines[True].async_scheduling and not engines[False].async_scheduling
     if regime:
-        assert engines[True].num_preemptions > 0, "the small cache should have forced preemption"
+        assert engines[True].scheduler.num_preemptions > 0, "the small cache should have forced preemption"
     # Grammar, penalties and min_tokens rows sample only after the previous step is processed.
     assert engines[True].num_host_waits > 0 and engines[False].num_host_waits == 0
 

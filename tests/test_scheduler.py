@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.block_manager import BlockManager, assert_no_leak
+from engine.block_manager import BlockManager
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -74,7 +74,7 @@ def test_mixed_prefill_and_decode_in_one_step():
     assert st.scheduled == [("a", 1), ("b", 5)] and st.flags == [True, True]
     assert st.tables == {"a": [0, 1], "b": [2, 3]}
     run_all(sched)
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_chunked_prefill_under_tiny_budget():
@@ -96,7 +96,7 @@ def test_chunked_prefill_under_tiny_budget():
     ]
     assert a.finish_reason == "length" and b.num_computed_tokens == 10 and b.output_token_ids == [TOK]
     run_all(sched)
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_max_num_seqs_cap():
@@ -111,7 +111,7 @@ def test_max_num_seqs_cap():
     st = step(sched)
     assert st.scheduled == [("c", 3)]
     run_all(sched)
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_preempt_newest_then_it_finishes():
@@ -138,7 +138,7 @@ def test_preempt_newest_then_it_finishes():
     assert b.output_token_ids == [TOK] * 3 and b.finish_reason == "length"
     assert b.num_cached_tokens == 0  # metric keeps the first admission's value
     run_all(sched)
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_newest_preempts_itself():
@@ -152,7 +152,7 @@ def test_newest_preempts_itself():
     assert st.scheduled == [("a", 1)] and st.out.preempted == [b] and list(sched.waiting) == [b]
     run_all(sched)
     assert b.finish_reason == "length" and len(b.output_token_ids) == 2
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_abort_waiting_running_and_mid_step():
@@ -168,7 +168,7 @@ def test_abort_waiting_running_and_mid_step():
     assert sched.abort("a") == [a] and a.is_finished
     assert sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=[TOK])) == []  # skipped
     assert a.output_token_ids == [TOK] and not sched.has_unfinished_seqs()
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 @pytest.mark.parametrize("prompt, sp, match", [
@@ -209,7 +209,7 @@ def test_stop_conditions(sp, tokens, reason, stop_reason, num_out):
     run_all(sched, token=lambda seq: tokens[seq.num_output_tokens])
     assert (s.finish_reason, s.stop_reason, s.num_output_tokens) == (reason, stop_reason, num_out)
     assert s.output_token_ids == tokens[:num_out]  # the stop token itself is kept, as vLLM does
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_several_eos_ids():
@@ -230,7 +230,7 @@ def test_finish_seq_by_engine():
     assert (s.finish_reason, s.stop_reason) == ("stop", "###") and not sched.has_unfinished_seqs()
     with pytest.raises(ValueError, match="'done'"):
         sched.finish_seq(s, "done")
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def _siblings(n, prompt, **sp):
@@ -258,7 +258,7 @@ def test_n_siblings_share_prompt_blocks():
     assert len({s1.block_table[2], s2.block_table[2], src.block_table[2]}) == 3
     run_all(sched)
     assert all(s.finish_reason == "length" for s in (src, s1, s2))
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_sibling_goes_alone_when_source_is_gone():
@@ -272,7 +272,7 @@ def test_sibling_goes_alone_when_source_is_gone():
     assert st.scheduled == [("r", 4)] and st.out.seqs == [s1]
     run_all(sched)
     assert s1.finish_reason == "length"
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_prefix_cache_hit_across_requests():
@@ -285,7 +285,7 @@ def test_prefix_cache_hit_across_requests():
     st = step(sched)
     assert st.scheduled == [("b", 2)] and b.num_cached_tokens == 8 and b.block_table[:2] == [0, 1]
     run_all(sched)
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()
 
 
 def test_prompt_logprobs_request_takes_capped_chunks(monkeypatch):
@@ -300,4 +300,4 @@ def test_prompt_logprobs_request_takes_capped_chunks(monkeypatch):
     assert first.out.num_scheduled_tokens == [8, 20]
     assert step(sched).out.num_scheduled_tokens[0] == 8
     run_all(sched)
-    assert_no_leak(sched.block_manager)
+    sched.block_manager.check_no_leak()

@@ -1,13 +1,18 @@
-"""Scheduler property test: random add / step / abort sequences, invariants after every step
-(blocks, ref counts, KV contents, finish reasons), and every request finishes."""
+"""Scheduler property test: random add / step / abort sequences (n > 1 siblings sharing a prompt,
+prefix-cache hits, preemption when a small cache runs out), invariants after every step (blocks
+conserved and never owned twice, ref counts never negative, KV contents, the prefix-cache
+counters equal to the tokens really reused, finish reasons), and everything free at the end.
+
+With `overlap`, the harness drives the scheduler as the engine's overlapped scheduling does:
+step N+1 is scheduled (and its fake forward run) before step N's tokens are given back."""
 from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, assert_no_leak
+from engine.block_manager import BlockManager
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -22,6 +27,7 @@ _prompt = st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), max_size=6))
 _add = st.tuples(st.just("add"), _prompt, st.integers(1, 8) | st.integers(1, 8) | st.none(),
                  st.integers(1, 3), st.integers(0, 3), st.booleans(), st.booleans())
 _step = st.tuples(st.just("step"), st.integers(0, 2**31), st.booleans())
+_drain = st.tuples(st.just("drain"))  # an idle engine processes its last launched step
 _abort = st.tuples(st.just("abort"), st.integers(0, 99))
 
 
@@ -29,12 +35,17 @@ class Harness:
     """Drives a Scheduler with a fake model that also keeps a fake KV cache: every slot holds the
     token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught."""
 
-    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching):
+    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS])
         self.kv: dict[int, tuple[int, ...]] = {}
         self.seqs: list[Sequence] = []
         self.request_ids: list[str] = []
+        self.caching = caching
+        self.num_queried_tokens = 0  # what the block manager's hit-rate counters must say
+        self.num_hit_tokens = 0
+        self.overlap = overlap
+        self.pending = None  # (SchedulerOutput, sampled ids) of the launched, unprocessed step
 
     def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop):
         sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens or min_tokens),
@@ -58,29 +69,67 @@ class Harness:
 
     def step(self, seed, abort_mid=False):
         rng = random.Random(seed)
-        had_work = self.sched.has_unfinished_seqs()
+        had_work = self.sched.has_unfinished_seqs() and not self.pending
+        waiting = set(self.sched.waiting)
         out = self.sched.schedule()
+        # Overlapped, a step may be empty: every running sequence waits on its in-flight token.
         assert out.seqs or not had_work, "a step with unfinished requests scheduled nothing"
         self._check_schedule(out)
+        self._count_reuse([(s, start) for s, start in zip(out.seqs, out.num_computed_tokens) if s in waiting])
+        if out.preempted:
+            event("preempted")
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             self._run_model(seq, start, n)
         sampled = [rng.randrange(VOCAB) for f in out.sample_flags if f]
         if abort_mid and self.sched.running:
             self.sched.abort(rng.choice(self.sched.running).request_id)
-        self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+        if self.overlap:
+            self.drain()  # the previous step, processed while this one "runs"
+            self.pending = (out, sampled) if out.seqs else None
+        else:
+            self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         self._check_state()
+
+    def drain(self):
+        if self.pending is not None:
+            out, sampled = self.pending
+            self.pending = None
+            self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+            self._check_state()
+
+    def _true_tokens(self, seq):
+        """seq's tokens including the one its in-flight step sampled (still a placeholder to it)."""
+        if self.pending is None or not seq.num_output_placeholders:
+            return seq.token_ids
+        out, sampled = self.pending
+        rows = [s for s, f in zip(out.seqs, out.sample_flags) if f]
+        return seq.token_ids + [sampled[rows.index(seq)]] if seq in rows else seq.token_ids
+
+    def _count_reuse(self, admitted):
+        """Admitted this step: the tokens before their first chunk are the cached or shared ones they
+        reuse (the fake KV check in _run_model proves those are right); each admission counts once."""
+        for seq, start in admitted:
+            if start:
+                event("prefix reused (shared by a sibling or from the cache)")
+            if self.caching:
+                self.num_queried_tokens += seq.num_tokens
+                self.num_hit_tokens += start
+        assert (self.bm.num_queried_tokens, self.bm.num_hit_tokens) == (self.num_queried_tokens,
+                                                                        self.num_hit_tokens)
 
     def _slot(self, seq, pos):
         return seq.block_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
 
     def _run_model(self, seq, start, n):
+        tokens = self._true_tokens(seq)
+        assert start + n <= len(tokens), (seq, start, n)
         for pos in range(start):  # attention reads every earlier position
-            assert self.kv.get(self._slot(seq, pos)) == tuple(seq.token_ids[:pos + 1]), (seq, pos)
+            assert self.kv.get(self._slot(seq, pos)) == tuple(tokens[:pos + 1]), (seq, pos)
         for pos in range(start, start + n):
             block_id = seq.block_table[pos // self.bm.block_size]
             assert self.bm.ref_counts[block_id] == 1 and self.bm.block_hashes[block_id] is None, \
                 f"{seq} writes position {pos} into shared or cached block {block_id}"
-            self.kv[self._slot(seq, pos)] = tuple(seq.token_ids[:pos + 1])
+            self.kv[self._slot(seq, pos)] = tuple(tokens[:pos + 1])
 
     def _check_schedule(self, out):
         sched = self.sched
@@ -88,14 +137,22 @@ class Harness:
         assert len(out.seqs) == len(set(out.seqs)) <= sched.max_num_seqs
         assert not set(out.seqs) & set(out.preempted)
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
-            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_tokens - start
-            assert seq.num_computed_tokens == start + n
+            assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == start + n
+            assert 1 <= n <= seq.num_tokens_with_placeholders - start
+            assert seq.num_output_placeholders <= (2 if self.overlap else 1)
+            # The last output token is never fed back: nothing computes past it (nor past max_model_len).
+            max_tokens = seq.sampling_params.max_tokens
+            assert start + n <= min(P_LEN, seq.num_prompt_tokens + (max_tokens or P_LEN)) - 1, (seq, start, n)
             assert len(seq.block_table) * self.bm.block_size >= start + n
 
     def _check_state(self):
         sched, bs = self.sched, self.bm.block_size
         assert sched.num_running <= sched.max_num_seqs
         assert all(not s.block_table and s.num_computed_tokens == 0 for s in sched.waiting)
+        assert min(self.bm.ref_counts) >= 0
+        owned = {b for s in sched.running for b in s.block_table}
+        assert len(owned) + self.bm.get_num_free_blocks() == self.bm.num_blocks, "blocks not conserved"
+        assert all(len(set(s.block_table)) == len(s.block_table) for s in sched.running)
         self.bm.check_invariants(list(sched.running) + list(sched.waiting))
         holders: dict[int, list[tuple[Sequence, int]]] = {}
         for seq in sched.running:
@@ -119,25 +176,31 @@ class Harness:
                 assert len(out) == sp.max_tokens or seq.num_tokens == P_LEN
             else:
                 assert seq.finish_reason == "abort"
-        assert_no_leak(self.bm)
+        self.bm.check_no_leak()
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=st.lists(st.one_of(_add, _add, _step, _abort), max_size=40), num_blocks=st.integers(2, 24),
+@given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort, _drain), max_size=40),
+       num_blocks=st.integers(5, 10) | st.integers(2, 24),  # small caches preempt often
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
-       caching=st.booleans())
-def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching):
-    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching)
+       caching=st.booleans(), overlap=st.booleans())
+def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap):
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap)
     for op, *args in ops:
         if op == "add":
             h.add(*args)
         elif op == "step":
             h.step(*args)
+        elif op == "drain":
+            h.drain()
         elif h.request_ids:
             h.sched.abort(h.request_ids[args[0] % len(h.request_ids)])
             h._check_state()
     for i in range(3000):  # every request finishes: bounded, not "eventually"
-        if not h.sched.has_unfinished_seqs():
+        if not h.sched.has_unfinished_seqs() and h.pending is None:
             break
         h.step(i)
     h.check_finished()
+    if overlap:
+        event("overlapped scheduling")
+    target(float(h.sched.num_preemptions), label="preemptions")  # steer generation toward preempting

@@ -114,3 +114,14 @@ def test_reconfigure_sets_the_stream_interval_live():
         dep.reconfigure({"stream_interval_ms": -1})
     with pytest.raises(ValueError, match="stream_interval"):
         dep.reconfigure({"stream_intervals_ms": 5})  # a typo is not ignored
+
+
+def test_fault_injection_is_refused_unless_enabled(monkeypatch):
+    from serve_app.engine_deployment import FAULT_INJECTION_ENV
+    dep = _deployment(FakeLLM())
+    monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
+    with pytest.raises(PermissionError, match=FAULT_INJECTION_ENV):
+        asyncio.run(dep.fault_injection_for_testing("step_error"))
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
+    with pytest.raises(ValueError, match="unknown fault injection op"):
+        asyncio.run(dep.fault_injection_for_testing("explode"))

@@ -60,16 +60,6 @@ class LinearBase(nn.Module):
         return self._matmul(x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the full weight."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        copy_weight(param.data, loaded_weight)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks: [n, input] -> [n, output / tp_size], no communication."""
 
