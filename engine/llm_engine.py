@@ -21,6 +21,7 @@ from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.num_generated_tokens = 0  # lifetime counter, for metrics
         self.num_preemptions = 0
+        self.stats_log = StatsLog()  # per-step and per-request observations; off until enabled
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
                     self.executor.num_kv_blocks, config.block_size)
 
@@ -93,6 +95,8 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         for seq in state.seqs:
             self.executor.free_seq(seq.seq_id)
+        self.stats_log.on_finished(state.metrics, "abort", len(state.prompt_token_ids),
+                                   [s.num_output_tokens for s in state.seqs], time.monotonic())
         return state.make_output(set(range(len(state.seqs))), self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
@@ -104,6 +108,7 @@ class LLMEngine:
         self.num_preemptions += len(sched_out.preempted)
         if sched_out.is_empty:
             return []
+        self._record_scheduled(sched_out)
         # Which sequences sample, read before update_from_output advances them.
         sampled = [s for s, f in zip(sched_out.seqs, sched_out.sample_flags()) if f]
         bitmask = None
@@ -119,6 +124,14 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         return self._process_updates(updated)
 
+    def _record_scheduled(self, sched_out) -> None:
+        now = time.monotonic()
+        self.stats_log.on_step(sched_out.total_num_scheduled_tokens)
+        for seq in sched_out.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None:
+                self.stats_log.on_scheduled(state.metrics, now)
+
     def _process_updates(self, updated: list[Sequence]) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, set[int]] = {}
@@ -127,6 +140,9 @@ class LLMEngine:
             if state is None:
                 continue
             self.num_generated_tokens += 1
+            if seq.request_id not in changed:  # once per request and step (vLLM's ITL unit)
+                num_new = sum(1 for s in updated if s.request_id == seq.request_id) if len(state.seqs) > 1 else 1
+                self.stats_log.on_new_tokens(state.metrics, len(state.prompt_token_ids), num_new, now)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 state.metrics.num_cached_tokens = state.seqs[0].num_cached_tokens
@@ -164,6 +180,9 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[request_id]
+                self.stats_log.on_finished(state.metrics, state.seqs[0].finish_reason or "stop",
+                                           len(state.prompt_token_ids),
+                                           [s.num_output_tokens for s in state.seqs], now)
             out = state.make_output(indices, self.tokenizer)
             if out is not None:
                 outputs.append(out)
@@ -202,6 +221,8 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_generated_tokens": self.num_generated_tokens,
             "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
+            "prefix_cache_hits": bm.num_hit_tokens,
         }
 
     def shutdown(self) -> None:
