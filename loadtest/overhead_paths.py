@@ -89,17 +89,19 @@ async def run_async(kwargs: dict, requests: list[BenchRequest], ttft_requests: l
 
 
 # -- the Serve app over HTTP ---------------------------------------------------------------
-_HISTOGRAM_LINE = re.compile(r'^\w+_stream_chunk_tokens_(count|sum)\{[^}]*hop="(\w+)"[^}]*\}\s+([0-9.e+-]+)$')
+# The Ingress's exact per-hop counters (its histogram's _sum is approximate under Ray's export).
+_COUNTER_LINE = re.compile(r'^\w+_stream_(messages|tokens)_total\{[^}]*hop="(\w+)"[^}]*\}\s+([0-9.e+-]+)$')
+_KEYS = {"messages": "count", "tokens": "sum"}
 
 
 def chunk_counters(metrics_text: str) -> dict[str, dict[str, float]]:
     """{hop: {"count": messages, "sum": tokens}} from a Prometheus scrape of the Ingress."""
     out: dict[str, dict[str, float]] = {}
     for line in metrics_text.splitlines():
-        m = _HISTOGRAM_LINE.match(line)
+        m = _COUNTER_LINE.match(line)
         if m:
-            hop = out.setdefault(m.group(2), {})  # summed over the Ingress replicas
-            hop[m.group(1)] = hop.get(m.group(1), 0.0) + float(m.group(3))
+            hop, key = out.setdefault(m.group(2), {}), _KEYS[m.group(1)]  # summed over the Ingress replicas
+            hop[key] = hop.get(key, 0.0) + float(m.group(3))
     return out
 
 

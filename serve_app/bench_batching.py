@@ -115,11 +115,11 @@ def _batch_stats(url: str) -> tuple[float, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     values = {}
     for line in text.splitlines():
-        for key in ("ray_rayllm_ingress_batch_size_count", "ray_rayllm_ingress_batch_size_sum"):
+        for key in ("ray_rayllm_ingress_batches_total", "ray_rayllm_ingress_batched_requests_total"):
             if line.startswith(key):
                 values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return (values.get("ray_rayllm_ingress_batch_size_count", 0.0),
-            values.get("ray_rayllm_ingress_batch_size_sum", 0.0))
+    return (values.get("ray_rayllm_ingress_batches_total", 0.0),
+            values.get("ray_rayllm_ingress_batched_requests_total", 0.0))
 
 
 def _round_sync(url: str, a) -> dict:

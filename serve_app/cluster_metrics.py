@@ -101,7 +101,11 @@ class ClusterMetrics:
             import ray
 
             nodes = await asyncio.to_thread(ray.nodes)
-            self._nodes = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            self._nodes = [f"http://{_host(n['NodeManagerAddress'])}:{n['MetricsExportPort']}/metrics"
                            for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
             self._nodes_time = time.monotonic()
         return self._nodes
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address  # an IPv6 node address goes in brackets

@@ -172,8 +172,14 @@ class IngressMetrics:
                                  buckets=BATCH_BUCKETS)
         self.batch_wait = s.make("histogram", "ingress_batch_wait_seconds", "Time a request waited in the "
                                  "Ingress micro-batch queue.", buckets=BATCH_WAIT_BUCKETS)
-        # Tokens per streamed message, per hop: `_count` over `_sum` is messages per token, the
-        # figure that says whether a hop pays per token or per chunk (loadtest.overhead reads it).
+        # Exact totals beside the histograms: Ray exports a histogram's `_sum` rebuilt from bucket
+        # midpoints (approximate), so means are taken from these counters instead.
+        self.batches = s.make("counter", "ingress_batches", "Ingress micro-batches.")
+        self.batched_requests = s.make("counter", "ingress_batched_requests", "Requests in Ingress micro-batches.")
+        self.stream_messages = s.make("counter", "stream_messages", "Streamed messages, per hop.", ("hop",))
+        self.stream_tokens = s.make("counter", "stream_tokens", "Tokens in streamed messages, per hop: "
+                                    "messages / tokens says whether a hop pays per token or per chunk.", ("hop",))
+        # Tokens per streamed message, per hop (loadtest.overhead reads the counters above).
         self.chunk_tokens = s.make("histogram", "stream_chunk_tokens", "Tokens per streamed message: hop engine "
                                    "(engine replica -> Ingress) or client (Ingress -> HTTP client).", ("hop",),
                                    buckets=CHUNK_BUCKETS)
@@ -194,6 +200,8 @@ class IngressMetrics:
         """A micro-batch starts: its size, and how long each of its requests waited for it."""
         now = time.monotonic()
         self.batch_size.observe(len(submit_times))
+        self.batches.inc(1)
+        self.batched_requests.inc(len(submit_times))
         for t in submit_times:
             self.batch_wait.observe(max(now - t, 0.0))
 
@@ -211,7 +219,11 @@ class RequestMetrics:
             self._m.count_guardrail(outcome, reason)
 
     def chunk(self, hop: str, num_tokens: int) -> None:
-        self._m.chunk_tokens.observe(num_tokens, tags={"hop": hop})
+        tags = {"hop": hop}
+        self._m.chunk_tokens.observe(num_tokens, tags=tags)
+        self._m.stream_messages.inc(1, tags=tags)
+        if num_tokens:
+            self._m.stream_tokens.inc(num_tokens, tags=tags)
 
     def ttft(self, seconds: float) -> None:
         self._m.ttft.observe(seconds)

@@ -32,7 +32,7 @@ def test_every_panel_queries_our_series_with_balanced_expressions():
     series = load_dashboard_module().queried_series(board)
     for name in ("ray_rayllm_time_to_first_token_seconds_bucket", "ray_rayllm_kv_cache_usage_perc",
                  "ray_rayllm_prefix_cache_hits_total", "ray_rayllm_num_preemptions_total",
-                 "ray_serve_deployment_replica_healthy", "ray_rayllm_ingress_batch_size_sum",
+                 "ray_serve_deployment_replica_healthy", "ray_rayllm_ingress_batches_total",
                  "ray_rayllm_guardrail_outcomes_total"):
         assert name in series
 

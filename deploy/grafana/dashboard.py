@@ -58,16 +58,17 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [  # (title, unit, [(expr
         ('max by (deployment) (ray_serve_autoscaling_target_replicas{application=~"$app"})', "target {{deployment}}"),
         (f"count({q('num_requests_running')})", "engine replicas reporting")]),
     ("Tokens per engine step", "short", quantiles("iteration_tokens_total")),
-    ("Ingress micro-batch size (mean) and wait (p99)", "short", [
-        (f"sum(rate({q('ingress_batch_size_sum', True)})) / sum(rate({q('ingress_batch_size_count', True)}))",
+    ("Ingress micro-batch size (mean, p99) and wait (p99, s)", "short", [
+        (f"sum(rate({q('ingress_batched_requests_total', True)})) / sum(rate({q('ingress_batches_total', True)}))",
          "mean batch size"),
+        (f"histogram_quantile(0.99, sum by (le) (rate({q('ingress_batch_size_bucket', True)})))", "p99 batch size"),
         (f"histogram_quantile(0.99, sum by (le) (rate({q('ingress_batch_wait_seconds_bucket', True)})))",
          "p99 wait (s)")]),
     ("Guardrail outcomes/s", "short", [
         (f"sum by (outcome, reason) (rate({q('guardrail_outcomes_total', True)}))", "{{outcome}} {{reason}}")]),
     ("Streamed messages per token, per hop", "short", [
-        (f"sum by (hop) (rate({q('stream_chunk_tokens_count', True)})) / "
-         f"sum by (hop) (rate({q('stream_chunk_tokens_sum', True)}))", "{{hop}}")]),
+        (f"sum by (hop) (rate({q('stream_messages_total', True)})) / "
+         f"sum by (hop) (rate({q('stream_tokens_total', True)}))", "{{hop}}")]),
 ]
 
 
