@@ -82,8 +82,8 @@ def summary_table(results: dict) -> str:
              lv["output_token_throughput"], _ms(lv["ttft_s"], "p50"), _ms(lv["ttft_s"], "p99"),
              _ms(lv["tpot_s"], "p50"), _ms(lv["itl_s"], "p50"), _ms(lv["e2e_s"], "p50"), _ms(lv["e2e_s"], "p99")]
             for lv in results["levels"]]
-    header = ["conc" if kind == "concurrency" else "req/s in", "ok/err", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-              "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"]
+    header = ["conc" if kind == "concurrency" else "req/s in", "ok/err", "req/s", "out tok/s", "TTFT p50 ms",
+              "TTFT p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"]
     knee = results["knee"]
     mark = "" if knee["reached"] else " (not reached: beyond the sweep)"
     return f"{format_table(header, rows)}\nknee: {kind} {knee[kind]:g}{mark} -- {knee['reason']}"
