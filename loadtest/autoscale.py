@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = a.model or _tiny_model()
     from serve_app.local import local_server
 
-    results = base_metadata(["python", "-m", "loadtest.autoscale", *(argv or [])]) | {"app_args": DEMO_ARGS}
+    argv = sys.argv[1:] if argv is None else argv
+    results = base_metadata(["python", "-m", "loadtest.autoscale", *argv]) | {"app_args": DEMO_ARGS}
     with local_server({"model": model, **DEMO_ARGS}, num_cpus=2) as url, Sampler(url) as sampler:
         levels = []
         for rate, n in zip(rates, counts):  # one sweep per level: each its own num_prompts
