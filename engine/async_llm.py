@@ -31,6 +31,7 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.output_collector import RequestOutputCollector
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
+        # Per-step observations (engine/stats.py), handed from the step thread to whoever exports
+        # metrics (pop_iteration_stats); bounded, so nobody draining costs a fixed amount of memory.
+        self.engine.stats_log.enabled = True
+        self._iteration_stats: collections.deque[IterationStats] = collections.deque(maxlen=4096)
         self._stats = self.engine.get_stats()
         ref = weakref.ref(self)
         self.engine.executor.set_failure_callback(lambda e: _call_if_alive(ref, "_die", e))
@@ -136,6 +141,13 @@ class AsyncLLM:
     def get_stats(self) -> dict[str, float]:
         return dict(self._stats)  # a snapshot taken by the step thread; never races the engine
 
+    def pop_iteration_stats(self) -> list[IterationStats]:
+        """The engine's observations since the previous call (oldest first), for a metrics exporter."""
+        out = []
+        while self._iteration_stats:  # popleft is atomic: the step thread appends concurrently
+            out.append(self._iteration_stats.popleft())
+        return out
+
     async def check_health(self) -> None:
         self._raise_if_dead()
 
@@ -207,6 +219,9 @@ class AsyncLLM:
         self._wakeup.set()
 
     def _snapshot_stats(self) -> dict[str, float]:
+        taken = self.engine.stats_log.take()
+        if not taken.is_empty:
+            self._iteration_stats.append(taken)
         # The step thread's own CPU time: what the engine costs, apart from the event loop's work.
         return {**self.engine.get_stats(), "step_thread_cpu_s": time.thread_time()}
 

@@ -22,6 +22,7 @@ from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class LLMEngine:
         self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
         self.num_host_waits = 0  # overlapped steps that waited for the previous tokens (grammar, penalties)
         self.num_generated_tokens = 0  # lifetime counter, for metrics
+        self.stats_log = StatsLog()  # per-step and per-request observations; off until enabled
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
                     self.executor.num_kv_blocks, config.block_size)
 
@@ -98,6 +100,8 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         for seq in state.seqs:
             self.executor.free_seq(seq.seq_id)
+        self.stats_log.on_finished(state.metrics, "abort", len(state.prompt_token_ids),
+                                   [s.num_output_tokens for s in state.seqs], time.monotonic())
         return state.make_output(set(range(len(state.seqs))), self.tokenizer)
 
     def has_unfinished_requests(self) -> bool:
@@ -117,6 +121,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return self._process_inflight()
+        self._record_scheduled(sched_out)
         handle = self.executor.forward(sched_out)
         sampled = sched_out.sampled_seqs
         outputs = []
@@ -154,6 +159,14 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         return self._process_updates(updated)
 
+    def _record_scheduled(self, sched_out) -> None:
+        now = time.monotonic()
+        self.stats_log.on_step(sched_out.total_num_scheduled_tokens)
+        for seq in sched_out.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None:
+                self.stats_log.on_scheduled(state.metrics, now)
+
     def _process_updates(self, updated: list[Sequence]) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, set[int]] = {}
@@ -162,6 +175,9 @@ class LLMEngine:
             if state is None:
                 continue
             self.num_generated_tokens += 1
+            if seq.request_id not in changed:  # once per request and step (vLLM's ITL unit)
+                num_new = sum(1 for s in updated if s.request_id == seq.request_id) if len(state.seqs) > 1 else 1
+                self.stats_log.on_new_tokens(state.metrics, len(state.prompt_token_ids), num_new, now)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 state.metrics.num_cached_tokens = state.seqs[0].num_cached_tokens
@@ -199,6 +215,9 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[request_id]
+                self.stats_log.on_finished(state.metrics, state.seqs[0].finish_reason or "stop",
+                                           len(state.prompt_token_ids),
+                                           [s.num_output_tokens for s in state.seqs], now)
             out = state.make_output(indices, self.tokenizer)
             if out is not None:
                 outputs.append(out)
@@ -238,6 +257,8 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_host_waits": self.num_host_waits,
+            "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
+            "prefix_cache_hits": bm.num_hit_tokens,
         }
 
     def shutdown(self) -> None:

@@ -90,9 +90,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's timeline, in time.monotonic() seconds (engine/stats.py draws it)."""
+
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    scheduled_time: float | None = None   # first scheduled (a preemption does not reset it)
+    last_token_time: float | None = None  # the latest step that gave the request a token
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 

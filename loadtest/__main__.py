@@ -2,6 +2,8 @@
 
     python -m loadtest --base-url http://127.0.0.1:8000 --model NAME --concurrency 1,4,16,64 \\
         --num-prompts 64 --input-len 256 --output-len 128 --out bench_out/online
+    python -m loadtest ... --request-rate 1,2,4,8          # open loop: Poisson arrivals, req/s per level
+    python -m loadtest compare ours/results.json vllm/results.json --out bench_out/compare
 
 Per concurrency level: TTFT, ITL, TPOT and end-to-end latency (p50/p90/p99),
 request and output-token throughput, errors. Writes DIR/results.json and two
@@ -27,11 +29,23 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def parse_args(argv: list[str]) -> OnlineConfig:
     ap = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (with or without /v1)")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64])
+    ap.add_argument("--concurrency", type=_int_list, default=None,
+                    help="closed loop: clients per level (default 1,4,16,64)")
+    ap.add_argument("--request-rate", type=_float_list, default=None,
+                    help="open loop: Poisson arrivals, requests/s per level, in this order (1,4,8,4,1 is a ramp; "
+                         "inf: all at once)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
     ap.add_argument("--input-len", type=int, default=256, help="prompt length in words (~tokens) or token ids")
     ap.add_argument("--output-len", type=int, default=128)
@@ -43,8 +57,13 @@ def parse_args(argv: list[str]) -> OnlineConfig:
     ap.add_argument("--token-ids", action="store_true", help="send prompts as token-id lists (completions)")
     ap.add_argument("--num-warmup", type=int, default=1, help="untimed requests before the first level")
     args = ap.parse_args(argv)
+    if args.request_rate is not None and args.concurrency is not None:
+        ap.error("--concurrency (closed loop) and --request-rate (open loop) are exclusive: give one")
+    if args.max_concurrency is not None and args.request_rate is None:
+        ap.error("--max-concurrency caps an open-loop run: it needs --request-rate")
     try:
-        return OnlineConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+        return OnlineConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency or [1, 4, 16, 64],
+                            request_rates=args.request_rate, max_concurrency=args.max_concurrency,
                             num_prompts=args.num_prompts, input_len=args.input_len,
                             output_len=args.output_len, out_dir=args.out, endpoint=args.endpoint,
                             api_key=args.api_key, seed=args.seed, request_timeout=args.request_timeout,
@@ -58,15 +77,16 @@ def _ms(summary: dict, q: str) -> float | str:
 
 
 def summary_table(results: dict) -> str:
-    rows = [[lv["concurrency"], f"{lv['num_completed']}/{lv['num_errors']}", lv["request_throughput"],
+    kind = results["knee"]["load"]
+    rows = [[lv[kind], f"{lv['num_completed']}/{lv['num_errors']}", lv["request_throughput"],
              lv["output_token_throughput"], _ms(lv["ttft_s"], "p50"), _ms(lv["ttft_s"], "p99"),
              _ms(lv["tpot_s"], "p50"), _ms(lv["itl_s"], "p50"), _ms(lv["e2e_s"], "p50"), _ms(lv["e2e_s"], "p99")]
             for lv in results["levels"]]
-    header = ["conc", "ok/err", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-              "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"]
+    header = ["conc" if kind == "concurrency" else "req/s in", "ok/err", "req/s", "out tok/s", "TTFT p50 ms",
+              "TTFT p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms", "E2E p99 ms"]
     knee = results["knee"]
     mark = "" if knee["reached"] else " (not reached: beyond the sweep)"
-    return f"{format_table(header, rows)}\nknee: concurrency {knee['concurrency']}{mark} -- {knee['reason']}"
+    return f"{format_table(header, rows)}\nknee: {kind} {knee[kind]:g}{mark} -- {knee['reason']}"
 
 
 def redact(argv: list[str]) -> list[str]:
@@ -80,6 +100,10 @@ def redact(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        from loadtest.compare import main as compare
+
+        return {"plots": [p.name for p in compare(argv[1:])]}
     cfg = parse_args(argv)
     results = base_metadata(["python", "-m", "loadtest", *redact(argv)])
     try:

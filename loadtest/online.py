@@ -1,9 +1,11 @@
-"""Online serving sweep: closed-loop clients at each concurrency level against one endpoint.
+"""Online serving sweep against one endpoint: closed-loop concurrency levels, or open-loop request rates.
 
 At concurrency c, c workers each send their next request as soon as the last
-one finishes, until `num_prompts` requests are done. Every level gets prompts
-of its own (a different seed), so a prefix cache warmed by one level cannot
-flatter the next.
+one finishes, until `num_prompts` requests are done. At request rate r, requests
+arrive as a Poisson process of rate r/s (loadtest.open_loop), `num_prompts` per
+level, in the order given (so `1,4,8,4,1` is a ramp up and down). Every level
+gets prompts of its own (a different seed), so a prefix cache warmed by one level
+cannot flatter the next.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.client import RequestRecord, Target, build_payload, endpoint_url, send_request
+from loadtest.open_loop import run_rate_level
 from loadtest.stats import find_knee, summarize
 from loadtest.workload import make_token_id_prompts, make_word_prompts
 
@@ -37,9 +40,15 @@ class OnlineConfig:
     token_ids: bool = False          # send prompts as lists of token ids (completions only)
     num_warmup: int = 1              # untimed requests before the first level
     extra: dict = field(default_factory=dict)  # anything else to record with the results
+    request_rates: list[float] | None = None  # open loop: requests/s per level (then `concurrency` is unused)
+    max_concurrency: int | None = None        # open loop: cap on requests in flight (None: no cap)
 
     def __post_init__(self) -> None:
         endpoint_url(self.base_url, self.endpoint)  # validates both
+        if self.request_rates is not None and (not self.request_rates or any(not r > 0 for r in self.request_rates)):
+            raise ValueError(f"request_rates={self.request_rates!r} must be a non-empty list of rates > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency} must be >= 1")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency={self.concurrency!r} must be a non-empty list of ints >= 1")
         for name in ("num_prompts", "input_len", "output_len"):
@@ -80,15 +89,16 @@ async def run_level(client: httpx.AsyncClient, cfg: OnlineConfig, concurrency: i
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, cfg.num_prompts))))
     duration = time.perf_counter() - start
-    return summarize_level(concurrency, records, duration)
+    return summarize_level(records, duration, concurrency=concurrency)
 
 
-def summarize_level(concurrency: int, records: list[RequestRecord], duration: float) -> dict:
+def summarize_level(records: list[RequestRecord], duration: float, **load) -> dict:
+    """`load`: concurrency=c (closed loop), or request_rate=r and max_concurrency (open loop)."""
     done = [r for r in records if r.ok]
     errors = [r.error for r in records if not r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     return {
-        "concurrency": concurrency,
+        **load,
         "num_requests": len(records),
         "num_completed": len(done),
         "num_errors": len(errors),
@@ -116,19 +126,30 @@ async def warm_up(client: httpx.AsyncClient, cfg: OnlineConfig) -> None:
             raise RuntimeError(f"warm-up request to {target.url} failed: {record.error}")
 
 
+def load_kind(levels: list[dict]) -> str:
+    """The x axis of a run: "concurrency" (closed loop) or "request_rate" (open loop)."""
+    return "request_rate" if levels and "request_rate" in levels[0] else "concurrency"
+
+
 def knee_of(levels: list[dict]) -> dict:
-    return find_knee([(lv["concurrency"], lv["e2e_s"]["p50"] or 0.0, lv["output_token_throughput"])
-                      for lv in levels])
+    kind = load_kind(levels)
+    knee = find_knee([(lv[kind], lv["e2e_s"]["p50"] or 0.0, lv["output_token_throughput"]) for lv in levels])
+    value = knee.pop("concurrency")  # find_knee's x is whatever the load is
+    return {"load": kind, kind: value, **knee}
 
 
 async def run_sweep(cfg: OnlineConfig) -> dict:
     """Every level in increasing concurrency, over one connection pool sized for the largest."""
-    limits = httpx.Limits(max_connections=max(cfg.concurrency), max_keepalive_connections=max(cfg.concurrency))
+    pool = max(cfg.concurrency) if cfg.request_rates is None else (cfg.max_concurrency or cfg.num_prompts)
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     # trust_env=False: no proxy from the environment; requests go to base_url and nowhere else.
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.request_timeout),
                                  trust_env=False) as client:
         await warm_up(client, cfg)
-        levels = [await run_level(client, cfg, c) for c in cfg.concurrency]
+        if cfg.request_rates is None:
+            levels = [await run_level(client, cfg, c) for c in cfg.concurrency]
+        else:
+            levels = [await run_rate_level(client, cfg, r, i) for i, r in enumerate(cfg.request_rates)]
     config = asdict(cfg) | {"out_dir": str(cfg.out_dir), "api_key": "***" if cfg.api_key else None}
     return {"benchmark": "online", "config": config, "url": cfg.target().url,
             "levels": levels, "knee": knee_of(levels)}

@@ -89,16 +89,19 @@ async def run_async(kwargs: dict, requests: list[BenchRequest], ttft_requests: l
 
 
 # -- the Serve app over HTTP ---------------------------------------------------------------
-_HISTOGRAM_LINE = re.compile(r'^\w+_stream_chunk_tokens_(count|sum)\{[^}]*hop="(\w+)"[^}]*\}\s+([0-9.e+-]+)$')
+# The Ingress's exact per-hop counters (its histogram's _sum is approximate under Ray's export).
+_COUNTER_LINE = re.compile(r'^\w+_stream_(messages|tokens)_total\{[^}]*hop="(\w+)"[^}]*\}\s+([0-9.e+-]+)$')
+_KEYS = {"messages": "count", "tokens": "sum"}
 
 
 def chunk_counters(metrics_text: str) -> dict[str, dict[str, float]]:
     """{hop: {"count": messages, "sum": tokens}} from a Prometheus scrape of the Ingress."""
     out: dict[str, dict[str, float]] = {}
     for line in metrics_text.splitlines():
-        m = _HISTOGRAM_LINE.match(line)
+        m = _COUNTER_LINE.match(line)
         if m:
-            out.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+            hop, key = out.setdefault(m.group(2), {}), _KEYS[m.group(1)]  # summed over the Ingress replicas
+            hop[key] = hop.get(key, 0.0) + float(m.group(3))
     return out
 
 
@@ -136,6 +139,8 @@ async def _engine_stats() -> dict:
 async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> dict:
     import httpx
 
+    from serve_app.local import METRICS_REPORT_INTERVAL_MS
+
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False) as client:
         await _http_level(client, url, _warmup(requests), 1)
@@ -146,6 +151,7 @@ async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> 
         records = await _http_level(client, url, requests, concurrency)
         wall = time.perf_counter() - start
         cpu, stats = difference(cpu0, snapshot(os.getpid())), await _engine_stats()
+        await asyncio.sleep(2.5 * METRICS_REPORT_INTERVAL_MS / 1000)  # /metrics is Ray's export: let it publish
         chunks = chunk_counters((await client.get(url + "/metrics")).text)
     step_cpu = stats.get("step_thread_cpu_s", 0.0) - stats0.get("step_thread_cpu_s", 0.0)
     cpu["engine_step_thread"] = step_cpu

@@ -40,12 +40,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def engine_options(a: AppArgs, device: str) -> dict[str, Any]:
-    autoscaling = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-                   "target_ongoing_requests": a.target_ongoing_requests}
-    if a.initial_replicas is not None:
-        autoscaling["initial_replicas"] = a.initial_replicas
     return {
-        "autoscaling_config": autoscaling,
+        "autoscaling_config": a.autoscaling_config(),
         # Ongoing requests per replica: enough to fill the engine's batch (max_num_seqs) with a queue behind it.
         "max_ongoing_requests": a.engine_max_ongoing_requests or 2 * a.max_num_seqs,
         "max_queued_requests": a.max_queued_requests,

@@ -82,7 +82,15 @@ class AppArgs(BaseModel):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(32.0, gt=0.0)
+    # Serve adds engine replicas when the mean ongoing requests per replica (running in the
+    # engine's batch + queued in it) exceed this. None: max_num_seqs, a full batch: below it a
+    # replica takes more load into the same steps; above it requests queue and TTFT grows.
+    target_ongoing_requests: float | None = Field(None, gt=0.0)
+    # Serve's autoscaler timing (None: Serve's defaults: 30 s up, 600 s down, 10 s / 30 s windows).
+    upscale_delay_s: float | None = Field(None, ge=0.0)
+    downscale_delay_s: float | None = Field(None, ge=0.0)
+    look_back_period_s: float | None = Field(None, gt=0.0)
+    metrics_interval_s: float | None = Field(None, gt=0.0)
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     engine_max_ongoing_requests: int | None = Field(None, ge=1)  # None: 2 * max_num_seqs
@@ -143,6 +151,16 @@ class AppArgs(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gb=self.cpu_kv_cache_gb,
             enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend, seed=self.seed, async_scheduling=self.async_scheduling)
+
+    def autoscaling_config(self) -> dict[str, Any]:
+        """The engine deployment's Serve autoscaling_config."""
+        config: dict[str, Any] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                  "target_ongoing_requests": self.target_ongoing_requests or float(self.max_num_seqs)}
+        for name in ("initial_replicas", "upscale_delay_s", "downscale_delay_s", "look_back_period_s",
+                     "metrics_interval_s"):
+            if getattr(self, name) is not None:
+                config[name] = getattr(self, name)
+        return config
 
     def streaming(self) -> StreamingConfig:
         return StreamingConfig(stream_interval_ms=self.stream_interval_ms)

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from serve_app.local import local_server, reconfigure_ingress
+from serve_app.local import METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_ingress
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
@@ -108,14 +108,18 @@ def main() -> None:
 
 
 def _batch_stats(url: str) -> tuple[float, float]:
-    """(number of micro-batches, requests in them) so far, from the Ingress's /metrics."""
+    """(number of micro-batches, requests in them) so far, over the Ingress replicas, from /metrics.
+
+    /metrics is Ray's metrics export (published every METRICS_REPORT_INTERVAL_MS): wait that out first."""
+    time.sleep(2.5 * METRICS_REPORT_INTERVAL_MS / 1000)
     text = httpx.get(url + "/metrics", timeout=30).text
     values = {}
     for line in text.splitlines():
-        for key in ("rayllm_ingress_batch_size_count", "rayllm_ingress_batch_size_sum"):
+        for key in ("ray_rayllm_ingress_batches_total", "ray_rayllm_ingress_batched_requests_total"):
             if line.startswith(key):
-                values[key] = float(line.rsplit(" ", 1)[1])
-    return values.get("rayllm_ingress_batch_size_count", 0.0), values.get("rayllm_ingress_batch_size_sum", 0.0)
+                values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return (values.get("ray_rayllm_ingress_batches_total", 0.0),
+            values.get("ray_rayllm_ingress_batched_requests_total", 0.0))
 
 
 def _round_sync(url: str, a) -> dict:

@@ -13,6 +13,7 @@ the next step boundary.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -26,6 +27,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
+from serve_app.metrics import EngineMetrics, record_engine_metrics
 from serve_app.placement import expose_bundle_gpus, use_cpu_threads
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -48,10 +50,13 @@ class EngineDeployment:
         self._replica = _replica_tag()
         self.streaming = args.streaming()  # reconfigure() replaces it when user_config is set
         cfg = self.llm.engine_config
+        self.metrics = EngineMetrics(args.metrics_prefix, args.model_name, cfg.max_model_len)
+        self._metrics_task: asyncio.Task | None = None  # started on the replica's loop by the first call
         logger.info("engine replica %s ready: max_model_len=%d", self._replica, cfg.max_model_len)
 
     # -- requests -------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
+        self._start_metrics()
         params = request.sampling_params
         params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
@@ -92,7 +97,12 @@ class EngineDeployment:
         """Serve calls this every health_check_period_s; raising makes it replace the replica.
         It raises once the step loop died or a TP worker exited (AsyncLLM sets that within a
         moment, from the executor's watcher thread)."""
+        self._start_metrics()  # so an idle replica exports its gauges too
         await self.llm.check_health()
+
+    def _start_metrics(self) -> None:
+        if self._metrics_task is None or self._metrics_task.done():
+            self._metrics_task = asyncio.get_running_loop().create_task(record_engine_metrics(self.metrics, self.llm))
 
     async def fault_injection_for_testing(self, op: str) -> dict[str, Any]:
         """Test-only, refused unless FAULT_INJECTION_ENV=1: "pids" gives this replica's pid and its TP

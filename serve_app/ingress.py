@@ -36,7 +36,8 @@ from serve_app.errors import (OpenAIError, from_validation_error, from_value_err
                               overloaded)
 from serve_app.http_util import check_api_key, error_response, install_error_handlers, read_body
 from serve_app.messages import EngineRequest
-from serve_app.metrics import ServeMetrics
+from serve_app.cluster_metrics import ClusterMetrics
+from serve_app.metrics import IngressMetrics
 from serve_app.preprocess import ModelLimits, Prepared, PrepJob, prepare_batch
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
@@ -101,7 +102,7 @@ class _SSEResponse(StreamingResponse):
             await self._events.aclose()  # a started stream records its outcome (499: the client left)
         finally:
             # A stream that never started recorded nothing: the client left before the first byte.
-            self._gen.metrics.finished(499, time.monotonic() - self._gen.start, 0)  # no-op if recorded
+            self._gen.metrics.finished(499, time.monotonic() - self._gen.start)  # no-op if recorded
             await self._items.aclose()  # stops every engine stream of this request still running
 
 
@@ -113,7 +114,9 @@ class Ingress:
         self.engine = engine
         self.guardrails = guardrails
         self.tokenizer = _load_tokenizer(args.tokenizer or args.model)
-        self.metrics = ServeMetrics(args.metrics_prefix, args.model_name)
+        self.metrics = IngressMetrics(args.metrics_prefix, args.model_name)
+        # GET /metrics: every replica's series (and Serve's own), as Ray exports them (cluster_metrics.py)
+        self.cluster_metrics = ClusterMetrics((f"ray_{args.metrics_prefix}_", "ray_serve_"))
         app.state.metrics = self.metrics  # error answers are counted by status too (http_util)
         self.batching = args.batching()
         self.created = int(time.time())
@@ -186,9 +189,7 @@ class Ingress:
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
-        with contextlib.suppress(Exception):  # a scrape still answers when the engine does not
-            self.metrics.engine_stats(await asyncio.wait_for(self.engine.get_stats.remote(), timeout=2.0))
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.cluster_metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     # -- request path ---------------------------------------------------------------------
     async def _parse(self, request: Request, model_cls):
@@ -216,6 +217,7 @@ class Ingress:
             self._num_pending -= 1
 
     async def _prepare(self, job: PrepJob) -> Prepared:
+        job.submit_time = time.monotonic()
         if self.batching.max_batch_size > 1:
             result = await self._prepare_batch(job)
         else:  # batching off: the same work, for one request, without the queue
@@ -229,7 +231,7 @@ class Ingress:
         return await self._prepare_now(jobs)
 
     async def _prepare_now(self, jobs: list[PrepJob]) -> list[Prepared | OpenAIError]:
-        self.metrics.observe_batch(len(jobs))
+        self.metrics.observe_batch([j.submit_time for j in jobs])
         limits = await self._model_limits()
         size = sum(len(p) if isinstance(p, str) else 0 for j in jobs for p in (j.prompts or ()))
         size += sum(len(m.get("content") or "") for j in jobs for m in (j.messages or ()))
@@ -265,7 +267,7 @@ class Ingress:
                                   prepared.batch_id, stream=stream)
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([stream_from(handle, r) for r in requests])
-        gen = Generation(items, builder, self.metrics.request(), self.args.retry_after_s)
+        gen = Generation(items, builder, self.metrics.request(json_mode), self.args.retry_after_s)
         try:
             await gen.first()
             if not stream:

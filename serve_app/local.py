@@ -23,6 +23,7 @@ APP_NAME = "llm"
 # the CPU box (docs/benchmarks.md, "Serving overhead"). Read by Ray's processes at start, so
 # it is environment, not an app arg; a value already set in the environment wins ("0" = off).
 HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+METRICS_REPORT_INTERVAL_MS = 1000
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -53,7 +54,10 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     port = free_port()
     # Replicas import serve_app from this checkout even when the package is not installed.
     path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    # metrics_report_interval_ms: Ray's agent publishes recorded metrics every second (its default
+    # is 10 s), so GET /metrics (serve_app/cluster_metrics.py) is at most ~2 s behind.
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

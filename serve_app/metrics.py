@@ -1,131 +1,252 @@
-"""Prometheus metrics of an Ingress replica, named as vLLM's under our prefix (`rayllm_*` for `vllm:*`).
+"""The application's metrics: vLLM's series under our prefix, plus the serving tier's own, all through Ray's.
 
-Each Ingress replica owns its registry; `GET /metrics` returns that replica's view:
+Every series is a `ray.serve.metrics` object (`ray.util.metrics` plus the `deployment`,
+`replica` and `application` labels of the replica that records it), so Ray's per-node
+metrics export carries every replica of every deployment: the Prometheus that scrapes a Ray
+cluster (KubeRay's PodMonitor, or `deploy/grafana/prometheus.yml`) sees the whole app, and
+`GET /metrics` on the HTTP port serves the same text (serve_app/cluster_metrics.py).
+Ray exports a series named `rayllm_x` as `ray_rayllm_x` (a counter as `ray_rayllm_x_total`).
+What each series means, and which alerts to set: docs/metrics.md.
 
-- request-side series (TTFT, e2e latency, request counts, tokens, micro-batch sizes) count
-  the requests *this Ingress replica* served;
-- engine gauges (running / waiting requests, KV usage) are the sum over the engine
-  replicas this Ingress heard from in the last `stats_ttl_s`: each finished request
-  carries its engine replica's stats, and each scrape asks one engine replica afresh.
-
-With one Ingress replica (the default) a scrape is the whole picture. With several,
-one scrape (routed by the Serve proxy to one of them) is partial: scrape the replicas
-one by one, or use Ray's own metrics export, which labels by replica.
+    EngineDeployment replica: EngineMetrics  <- AsyncLLM.get_stats() + pop_iteration_stats(), every 0.5 s
+    Ingress replica:          IngressMetrics <- each HTTP request, each micro-batch
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from engine.stats import IterationStats
 
-# vLLM's buckets for TTFT and e2e latency, in seconds.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# vLLM's bucket layouts (vllm/v1/metrics/loggers.py), in seconds or tokens.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Ours: requests per Ingress micro-batch, the wait in its queue, tokens per streamed message.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-_ENGINE_GAUGES = {  # engine stats key -> (metric suffix, help)
-    "num_requests_running": ("num_requests_running", "Requests running in the engines (scheduled this step)."),
-    "num_requests_waiting": ("num_requests_waiting", "Requests waiting in the engines' queues."),
-    "kv_cache_usage": ("kv_cache_usage_perc", "KV-cache usage, 0..1 (mean over engine replicas)."),
-    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prefix-cache hit rate, 0..1 (mean over engine replicas)."),
-}
-_MEANS = {"kv_cache_usage", "prefix_cache_hit_rate"}
+Factory = Callable[..., Any]  # (kind, name, description, tag_keys, boundaries) -> a metric
 
 
-class ServeMetrics:
-    def __init__(self, prefix: str, model_name: str, stats_ttl_s: float = 15.0):
-        self.registry = CollectorRegistry()
-        self.model_name = model_name
-        self.stats_ttl_s = stats_ttl_s
-        self._engine_stats: dict[str, tuple[float, dict[str, Any]]] = {}  # replica -> (monotonic time, stats)
-        r, labels = self.registry, ["model_name"]
-        self.gauges = {key: Gauge(f"{prefix}_{suffix}", doc, labels, registry=r)
-                       for key, (suffix, doc) in _ENGINE_GAUGES.items()}
-        self.engine_replicas = Gauge(f"{prefix}_engine_replicas_reporting",
-                                     "Engine replicas whose stats are in the gauges.", labels, registry=r)
-        self.ttft = Histogram(f"{prefix}_time_to_first_token_seconds", "Time to first token, as the Ingress sees it.",
-                              labels, buckets=_TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{prefix}_e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             labels, buckets=_E2E_BUCKETS, registry=r)
-        self.requests = Counter(f"{prefix}_requests", "Finished requests by HTTP status (499: client went away).",
-                                labels + ["status"], registry=r)
-        self.generation_tokens = Counter(f"{prefix}_generation_tokens", "Generated tokens.", labels, registry=r)
-        self.batch_size = Histogram(f"{prefix}_ingress_batch_size", "Requests per Ingress micro-batch.",
-                                    labels, buckets=_BATCH_BUCKETS, registry=r)
-        # Tokens per streamed message, per hop: `_count` over `_sum` is messages per token, the
-        # figure that says whether a hop pays per token or per chunk (loadtest.overhead reads it).
-        self.chunk_tokens = Histogram(f"{prefix}_stream_chunk_tokens",
-                                      "Tokens per streamed message: hop engine (engine replica -> Ingress) "
-                                      "or client (Ingress -> HTTP client).",
-                                      labels + ["hop"], buckets=_CHUNK_BUCKETS, registry=r)
-        self.guardrail = Counter(f"{prefix}_guardrail_outcomes",
-                                 "JSON guardrail validations of a completion: outcome passed|retried|rejected, "
-                                 "reason none|redacted or the violation (docs/guardrails.md).",
-                                 labels + ["outcome", "reason"], registry=r)
+def ray_metric(kind: str, name: str, description: str, tag_keys: tuple[str, ...],
+               boundaries: Iterable[float] | None = None):
+    """A Ray metric; inside a Serve replica it also carries the replica's deployment/replica/application."""
+    from ray.serve import metrics  # here: importing Ray is not needed to read this module's tables
 
-    def request(self) -> "RequestMetrics":
-        return RequestMetrics(self)
+    cls = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}[kind]
+    kwargs = {"boundaries": list(boundaries)} if kind == "histogram" else {}
+    return cls(name, description=description, tag_keys=tag_keys, **kwargs)
 
-    def engine_stats(self, stats: dict[str, Any]) -> None:
-        self._engine_stats[str(stats.get("replica", "?"))] = (time.monotonic(), stats)
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's layout for prompt and generation lengths)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
+class _Series:
+    """Makes the metrics of one replica, each with the model_name label set."""
+
+    def __init__(self, prefix: str, model_name: str, factory: Factory):
+        self.prefix, self.model_name, self.factory = prefix, model_name, factory
+        self.tags = {"model_name": model_name}
+
+    def make(self, kind: str, suffix: str, doc: str, extra_tags: tuple[str, ...] = (), buckets=None):
+        metric = self.factory(kind, f"{self.prefix}_{suffix}", doc, ("model_name", *extra_tags), buckets)
+        metric.set_default_tags(dict(self.tags))  # a copy: Serve adds its replica tags to the dict
+        return metric
+
+
+def _start_at_zero(counter, tags: dict[str, str] | None = None) -> None:
+    """Export a counter at 0 before its first event (Prometheus' advice: `increase()` then sees the
+    first one, and a dashboard's rare series, preemptions, exist at all). Ray's inc() refuses 0."""
+    record = getattr(counter, "_record", None)
+    if record is not None:
+        record(0.0, tags=tags)
+
+
+class EngineMetrics:
+    """One engine replica's series, with vLLM's names and meanings."""
+
+    _GAUGES = {  # AsyncLLM.get_stats() key -> (suffix, help)
+        "num_requests_running": ("num_requests_running", "Requests in the engine's running batch."),
+        "num_requests_waiting": ("num_requests_waiting", "Requests waiting in the engine's queue."),
+        "kv_cache_usage": ("kv_cache_usage_perc", "KV-cache usage, 0..1 (1: every block in use)."),
+    }
+    _COUNTERS = {  # lifetime key of get_stats() -> (suffix, help); exported as increments
+        "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        "num_preemptions": ("num_preemptions", "Requests preempted (KV blocks taken back, recomputed later)."),
+    }
+
+    def __init__(self, prefix: str, model_name: str, max_model_len: int, factory: Factory = ray_metric):
+        s = _Series(prefix, model_name, factory)
+        self.gauges = {k: s.make("gauge", suffix, doc) for k, (suffix, doc) in self._GAUGES.items()}
+        self.counters = {k: s.make("counter", suffix, doc) for k, (suffix, doc) in self._COUNTERS.items()}
+        self._last = dict.fromkeys(self._COUNTERS, 0.0)
+        self.prompt_tokens = s.make("counter", "prompt_tokens", "Prefill tokens (cached ones included).")
+        self.generation_tokens = s.make("counter", "generation_tokens", "Generated tokens.")
+        self.request_success = s.make("counter", "request_success", "Finished requests by finished_reason "
+                                      "(stop|length|abort).", ("finished_reason",))
+        h = lambda suffix, doc, buckets: s.make("histogram", suffix, doc, buckets=buckets)  # noqa: E731
+        self.ttft = h("time_to_first_token_seconds", "Arrival in the engine to first token.", TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Between two steps that gave a request tokens.", ITL_BUCKETS)
+        self.tpot = h("request_time_per_output_token_seconds", "A finished request's decode time per token "
+                      "after the first.", ITL_BUCKETS)
+        self.latency = {name: h(f"{name}_seconds" if name.startswith("e2e") else f"request_{name}_time_seconds",
+                                doc, REQUEST_LATENCY_BUCKETS) for name, doc in (
+            ("e2e_request_latency", "Arrival in the engine to finished."),
+            ("queue", "Arrival to first scheduled."),
+            ("prefill", "First scheduled to first token."),
+            ("decode", "First token to last token."),
+            ("inference", "First scheduled to last token."))}
+        self.iteration_tokens = h("iteration_tokens_total", "Tokens computed per engine step.",
+                                  ITERATION_TOKEN_BUCKETS)
+        for counter in (*self.counters.values(), self.prompt_tokens, self.generation_tokens):
+            _start_at_zero(counter)
+        for reason in ("stop", "length", "abort"):
+            _start_at_zero(self.request_success, {"finished_reason": reason})
+        lengths = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = h("request_prompt_tokens", "Prompt length of finished requests.", lengths)
+        self.request_generation_tokens = h("request_generation_tokens", "Generated tokens of finished requests.",
+                                           lengths)
+
+    def record(self, stats: dict[str, Any], iterations: list[IterationStats]) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.set(float(stats.get(key, 0.0)))
+        for key, counter in self.counters.items():
+            value = float(stats.get(key, 0.0))
+            if value > self._last[key]:
+                counter.inc(value - self._last[key])
+                self._last[key] = value
+        for it in iterations:
+            self._record_iteration(it)
+
+    def _record_iteration(self, it: IterationStats) -> None:
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        for n in it.iteration_tokens:
+            self.iteration_tokens.observe(n)
+        for t in it.time_to_first_tokens:
+            self.ttft.observe(t)
+        for t in it.inter_token_latencies:
+            self.itl.observe(t)
+        for r in it.finished_requests:
+            self.request_success.inc(1, tags={"finished_reason": r.finish_reason})
+            for name, value in (("e2e_request_latency", r.e2e_latency), ("queue", r.queued_time),
+                                ("prefill", r.prefill_time), ("decode", r.decode_time),
+                                ("inference", r.inference_time)):
+                self.latency[name].observe(value)
+            if r.time_per_output_token is not None:
+                self.tpot.observe(r.time_per_output_token)
+            self.request_prompt_tokens.observe(r.num_prompt_tokens)
+            self.request_generation_tokens.observe(r.num_generation_tokens)
+
+
+class IngressMetrics:
+    """One Ingress replica's series: HTTP outcomes as the client sees them, micro-batching, hops, guardrail."""
+
+    def __init__(self, prefix: str, model_name: str, factory: Factory = ray_metric):
+        s = _Series(prefix, model_name, factory)
+        self.requests = s.make("counter", "requests", "HTTP requests by status (499: the client went away).",
+                               ("status",))
+        self.ttft = s.make("histogram", "ingress_time_to_first_token_seconds", "HTTP request to its first token "
+                           "(tokenization, batching and hops included).", buckets=TTFT_BUCKETS)
+        self.e2e = s.make("histogram", "ingress_request_latency_seconds", "HTTP request to its last token, "
+                          "successful requests.", buckets=REQUEST_LATENCY_BUCKETS)
+        self.batch_size = s.make("histogram", "ingress_batch_size", "Requests per Ingress micro-batch.",
+                                 buckets=BATCH_BUCKETS)
+        self.batch_wait = s.make("histogram", "ingress_batch_wait_seconds", "Time a request waited in the "
+                                 "Ingress micro-batch queue.", buckets=BATCH_WAIT_BUCKETS)
+        # Exact totals beside the histograms: Ray exports a histogram's `_sum` rebuilt from bucket
+        # midpoints (approximate), so means are taken from these counters instead.
+        self.batches = s.make("counter", "ingress_batches", "Ingress micro-batches.")
+        self.batched_requests = s.make("counter", "ingress_batched_requests", "Requests in Ingress micro-batches.")
+        self.stream_messages = s.make("counter", "stream_messages", "Streamed messages, per hop.", ("hop",))
+        self.stream_tokens = s.make("counter", "stream_tokens", "Tokens in streamed messages, per hop: "
+                                    "messages / tokens says whether a hop pays per token or per chunk.", ("hop",))
+        # Tokens per streamed message, per hop (loadtest.overhead reads the counters above).
+        self.chunk_tokens = s.make("histogram", "stream_chunk_tokens", "Tokens per streamed message: hop engine "
+                                   "(engine replica -> Ingress) or client (Ingress -> HTTP client).", ("hop",),
+                                   buckets=CHUNK_BUCKETS)
+        self.guardrail = s.make("counter", "guardrail_outcomes", "JSON guardrail validations: outcome passed|"
+                                "retried|rejected (reason: none|redacted or the violation), or cancelled "
+                                "(reason client_gone).", ("outcome", "reason"))
+
+    def request(self, json_mode: bool = False) -> "RequestMetrics":
+        return RequestMetrics(self, json_mode)
 
     def count_status(self, status: int) -> None:
-        self.requests.labels(self.model_name, str(status)).inc()
+        self.requests.inc(1, tags={"status": str(status)})
 
     def count_guardrail(self, outcome: str, reason: str) -> None:
-        self.guardrail.labels(self.model_name, outcome, reason).inc()
+        self.guardrail.inc(1, tags={"outcome": outcome, "reason": reason})
 
-    def observe_batch(self, size: int) -> None:
-        self.batch_size.labels(self.model_name).observe(size)
-
-    def render(self) -> bytes:
-        self._refresh_engine_gauges()
-        return generate_latest(self.registry)
-
-    def _refresh_engine_gauges(self) -> None:
+    def observe_batch(self, submit_times: list[float]) -> None:
+        """A micro-batch starts: its size, and how long each of its requests waited for it."""
         now = time.monotonic()
-        fresh = {k: s for k, (t, s) in self._engine_stats.items() if now - t <= self.stats_ttl_s}
-        self._engine_stats = {k: v for k, v in self._engine_stats.items() if k in fresh}
-        for key, gauge in self.gauges.items():
-            values = [float(s.get(key, 0.0)) for s in fresh.values()]
-            total = sum(values)
-            if key in _MEANS and values:
-                total /= len(values)
-            gauge.labels(self.model_name).set(total)
-        self.engine_replicas.labels(self.model_name).set(len(fresh))
+        self.batch_size.observe(len(submit_times))
+        self.batches.inc(1)
+        self.batched_requests.inc(len(submit_times))
+        for t in submit_times:
+            self.batch_wait.observe(max(now - t, 0.0))
 
 
 class RequestMetrics:
-    """One request's observations, recorded once each."""
+    """One HTTP request's observations, the final one recorded once."""
 
-    def __init__(self, metrics: ServeMetrics):
+    def __init__(self, metrics: IngressMetrics, json_mode: bool):
         self._m = metrics
+        self._json_mode = json_mode
         self._done = False
-
-    def engine_stats(self, stats: dict[str, Any]) -> None:
-        self._m.engine_stats(stats)
 
     def guardrail_outcomes(self, outcomes: list[tuple[str, str]]) -> None:
         for outcome, reason in outcomes:
             self._m.count_guardrail(outcome, reason)
 
     def chunk(self, hop: str, num_tokens: int) -> None:
-        self._m.chunk_tokens.labels(self._m.model_name, hop).observe(num_tokens)
+        tags = {"hop": hop}
+        self._m.chunk_tokens.observe(num_tokens, tags=tags)
+        self._m.stream_messages.inc(1, tags=tags)
+        if num_tokens:
+            self._m.stream_tokens.inc(num_tokens, tags=tags)
 
     def ttft(self, seconds: float) -> None:
-        self._m.ttft.labels(self._m.model_name).observe(seconds)
+        self._m.ttft.observe(seconds)
 
-    def finished(self, status: int, seconds: float, generated_tokens: int) -> None:
+    def finished(self, status: int, seconds: float) -> None:
         if self._done:
             return
         self._done = True
-        m = self._m
-        m.count_status(status)
+        self._m.count_status(status)
         if status == 200:
-            m.e2e.labels(m.model_name).observe(seconds)
-        if generated_tokens:
-            m.generation_tokens.labels(m.model_name).inc(generated_tokens)
+            self._m.e2e.observe(seconds)
+        elif status == 499 and self._json_mode:  # the guardrail's work ended by the client leaving
+            self._m.count_guardrail("cancelled", "client_gone")
+
+
+async def record_engine_metrics(metrics: EngineMetrics, llm, interval_s: float = 0.5) -> None:
+    """An engine replica's recorder task: the AsyncLLM's gauges and observations, every interval_s, forever."""
+    import asyncio
+    import logging
+
+    while True:
+        try:
+            metrics.record(llm.get_stats(), llm.pop_iteration_stats())
+        except Exception:  # noqa: BLE001 - metrics must never take the replica down; say so and go on
+            logging.getLogger(f"ray.serve.{__name__}").exception("recording engine metrics failed")
+        await asyncio.sleep(interval_s)

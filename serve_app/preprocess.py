@@ -30,6 +30,7 @@ class PrepJob:
     messages: list[dict] | None = None            # chat: [{"role", "content"}], rendered with the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    submit_time: float = 0.0                     # time.monotonic() when it entered the micro-batch queue
 
 
 @dataclass

@@ -77,8 +77,6 @@ class Generation:
         """Record what an item says for the metrics; returns its number of new tokens."""
         num_tokens = sum(len(d.token_ids) for d in item.deltas)
         self.metrics.chunk("engine", num_tokens)
-        if item.stats is not None:
-            self.metrics.engine_stats(item.stats)
         if item.guardrail_outcomes:
             self.metrics.guardrail_outcomes(item.guardrail_outcomes)
         if not self._first_token_seen and any(d.token_ids for d in item.deltas):
@@ -101,10 +99,10 @@ class Generation:
                 self._raise_if_error(item)
                 self.builder.add(i, item)
         except asyncio.CancelledError:
-            self.metrics.finished(499, time.monotonic() - self.start, 0)  # the client went away
+            self.metrics.finished(499, time.monotonic() - self.start)  # the client went away
             raise
         body = self.builder.final()
-        self.metrics.finished(200, time.monotonic() - self.start, body["usage"]["completion_tokens"])
+        self.metrics.finished(200, time.monotonic() - self.start)
         return body
 
     async def sse(self) -> AsyncIterator[str]:
@@ -134,5 +132,5 @@ class Generation:
             yield sse_error(internal_error(f"The stream failed: {type(e).__name__}"))
         finally:
             # Also on cancellation (client gone): `items` is closed by the caller's aclose.
-            self.metrics.finished(status, time.monotonic() - self.start, self.builder.usage()["completion_tokens"])
+            self.metrics.finished(status, time.monotonic() - self.start)
         yield SSE_DONE

@@ -315,3 +315,87 @@ def test_step_profile_runs_on_cpu(tiny_llama, tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["async_scheduling"] for r in results] == [False, True]
     assert all(r["step_ms"] > 0 and "gpu_busy_share" not in r for r in results)
+
+
+# ---- open loop (--request-rate) and compare ------------------------------------------------------
+
+def test_poisson_arrivals_have_the_asked_rate_and_repeat():
+    from loadtest.open_loop import arrival_offsets
+
+    offsets = arrival_offsets(4000, 20.0, seed=1)
+    assert offsets == arrival_offsets(4000, 20.0, seed=1) and offsets[0] == 0.0
+    assert offsets == sorted(offsets)
+    assert 4000 / offsets[-1] == pytest.approx(20.0, rel=0.05)  # mean gap 1/rate
+    assert arrival_offsets(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="rate 0"):
+        arrival_offsets(3, 0.0, seed=0)
+
+
+def test_open_loop_levels_in_the_order_given(fake_server, tmp_path, capsys):
+    from loadtest.__main__ import main
+
+    results = main(["--base-url", fake_server.url, "--model", "m", "--request-rate", "50,inf,50", "--num-prompts",
+                    "6", "--input-len", "4", "--output-len", "3", "--out", str(tmp_path), "--num-warmup", "0"])
+    assert [lv["request_rate"] for lv in results["levels"]] == [50.0, float("inf"), 50.0]  # a ramp: not sorted
+    for level in results["levels"]:
+        assert level["num_completed"] == 6 and level["total_output_tokens"] == 18
+        sent = [t["sent_s"] for t in level["timeline"]]
+        assert len(sent) == 6 and all(t["ok"] and t["e2e_s"] > 0 for t in level["timeline"])
+    assert max(t["sent_s"] for t in results["levels"][1]["timeline"]) < 0.5  # inf: all at once
+    assert results["knee"]["load"] == "request_rate" and "request_rate" in results["knee"]
+    assert {"latency_vs_request_rate.png", "throughput_vs_request_rate.png"} == set(results["plots"])
+    assert "req/s in" in capsys.readouterr().out
+
+
+def test_open_loop_max_concurrency_bounds_requests_in_flight(fake_server, tmp_path):
+    from loadtest.__main__ import main
+
+    results = main(["--base-url", fake_server.url, "--model", "slow", "--request-rate", "inf", "--max-concurrency",
+                    "2", "--num-prompts", "4", "--input-len", "4", "--output-len", "2", "--out", str(tmp_path),
+                    "--num-warmup", "0", "--request-timeout", "10"])
+    sent = sorted(t["sent_s"] for t in results["levels"][0]["timeline"])
+    assert sent[1] < 0.5 and sent[2] >= 1.9  # "slow" holds each request 2 s: the third waits for a slot
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "1", "--request-rate", "2"], "exclusive"),
+    (["--max-concurrency", "2"], "needs --request-rate"),
+    (["--request-rate", "0"], "request_rates"),
+    (["--request-rate", "fast"], "comma-separated numbers"),
+])
+def test_open_loop_bad_arguments_are_named(argv, message, capsys):
+    from loadtest.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--base-url", "http://127.0.0.1:1", "--model", "m", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_compare_draws_runs_on_the_same_axes(fake_server, tmp_path, capsys):
+    from loadtest.__main__ import main
+
+    paths = []
+    for name in ("ours", "peer"):
+        _run_online(tmp_path / name, fake_server.url, "m", "--num-warmup", "0")
+        paths.append(str(tmp_path / name / "results.json"))
+    out = main(["compare", *paths, "--out", str(tmp_path / "cmp")])
+    assert out["plots"] == ["latency_vs_concurrency.png", "throughput_vs_concurrency.png"]
+    for name in out["plots"]:
+        assert (tmp_path / "cmp" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "ours: knee at" in text and "peer: knee at" in text
+
+
+def test_compare_refuses_what_it_cannot_compare(fake_server, tmp_path, capsys):
+    from loadtest.__main__ import main
+
+    _run_online(tmp_path / "closed", fake_server.url, "m", "--num-warmup", "0")
+    main(["--base-url", fake_server.url, "--model", "m", "--request-rate", "inf", "--num-prompts", "2",
+          "--input-len", "4", "--output-len", "2", "--out", str(tmp_path / "open"), "--num-warmup", "0"])
+    (tmp_path / "junk.json").write_text("{}")
+    for argv, message in ([str(tmp_path / "closed/results.json")], "at least two"), \
+            ([str(tmp_path / "closed/results.json"), str(tmp_path / "open/results.json")], "cannot compare"), \
+            ([str(tmp_path / "closed/results.json"), str(tmp_path / "junk.json")], "junk.json"):
+        with pytest.raises(SystemExit):
+            main(["compare", *argv, "--out", str(tmp_path / "cmp")])
+        assert message in capsys.readouterr().err

@@ -8,22 +8,23 @@ from loadtest import overhead
 from loadtest.overhead_paths import chunk_counters, messages_per_token
 from loadtest.proc_cpu import difference, role_of, snapshot
 
-SCRAPE = """# HELP rayllm_stream_chunk_tokens Tokens per streamed message
-rayllm_stream_chunk_tokens_bucket{hop="engine",le="1.0",model_name="m"} 3.0
-rayllm_stream_chunk_tokens_count{hop="engine",model_name="m"} 10.0
-rayllm_stream_chunk_tokens_sum{hop="engine",model_name="m"} 40.0
-rayllm_stream_chunk_tokens_count{hop="client",model_name="m"} 20.0
-rayllm_stream_chunk_tokens_sum{hop="client",model_name="m"} 40.0
+SCRAPE = """# HELP ray_rayllm_stream_messages_total Streamed messages, per hop.
+ray_rayllm_stream_chunk_tokens_bucket{hop="engine",le="1.0",model_name="m"} 3.0
+ray_rayllm_stream_messages_total{hop="engine",model_name="m",replica="a"} 6.0
+ray_rayllm_stream_messages_total{hop="engine",model_name="m",replica="b"} 4.0
+ray_rayllm_stream_tokens_total{hop="engine",model_name="m",replica="a"} 40.0
+ray_rayllm_stream_messages_total{hop="client",model_name="m",replica="a"} 20.0
+ray_rayllm_stream_tokens_total{hop="client",model_name="m",replica="a"} 40.0
 """
 
 
 def test_messages_per_token_from_two_scrapes():
     before = chunk_counters(SCRAPE)
     assert before == {"engine": {"count": 10.0, "sum": 40.0}, "client": {"count": 20.0, "sum": 40.0}}
-    after = chunk_counters(SCRAPE.replace("count{hop=\"engine\",model_name=\"m\"} 10.0",
-                                          "count{hop=\"engine\",model_name=\"m\"} 15.0")
-                           .replace("sum{hop=\"engine\",model_name=\"m\"} 40.0",
-                                    "sum{hop=\"engine\",model_name=\"m\"} 60.0"))
+    after = chunk_counters(SCRAPE.replace('messages_total{hop="engine",model_name="m",replica="b"} 4.0',
+                                          'messages_total{hop="engine",model_name="m",replica="b"} 9.0')
+                           .replace('tokens_total{hop="engine",model_name="m",replica="a"} 40.0',
+                                    'tokens_total{hop="engine",model_name="m",replica="a"} 60.0'))
     assert messages_per_token(before, after) == {"engine": 0.25}  # 5 messages for 20 tokens; client idle
 
 

@@ -62,6 +62,18 @@ def test_deployment_options():
     assert ing["user_config"]["max_batch_size"] == 600
 
 
+def test_autoscaling_target_follows_max_num_seqs_unless_set():
+    derived = engine_options(parse_app_args({"model": "m", "max_num_seqs": 24, "max_replicas": 2}), "cpu")
+    assert derived["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 24.0}
+    timed = parse_app_args({"model": "m", "max_replicas": 2, "upscale_delay_s": "1", "downscale_delay_s": 5,
+                            "look_back_period_s": 2, "metrics_interval_s": 0.5})
+    assert timed.autoscaling_config() == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 256.0,
+                                             "upscale_delay_s": 1.0, "downscale_delay_s": 5.0,
+                                             "look_back_period_s": 2.0, "metrics_interval_s": 0.5}
+    with pytest.raises(ValueError, match="upscale_delay_s"):
+        parse_app_args({"model": "m", "upscale_delay_s": -1})
+
+
 def test_build_app_binds_the_graph(tiny_llama):
     app = build_app({"model": tiny_llama, "device": "cpu"})
     assert type(app).__name__ == "Application"

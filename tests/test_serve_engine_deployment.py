@@ -9,6 +9,8 @@ from engine.sampling_params import SamplingParams
 from serve_app.args import StreamingConfig
 from serve_app.engine_deployment import SHUTDOWN_MESSAGE, EngineDeployment, to_stream_item
 from serve_app.messages import EngineRequest
+from serve_app.metrics import EngineMetrics
+from tests.fake_metrics import Recorder
 
 
 def test_to_stream_item_is_compact():
@@ -42,7 +44,10 @@ class FakeLLM:
             yield out
 
     def get_stats(self):
-        return {"num_requests_running": 0}
+        return {"num_requests_running": 2, "prefix_cache_queries": 7}
+
+    def pop_iteration_stats(self):
+        return []
 
     async def check_health(self):
         if self.dead:
@@ -56,6 +61,8 @@ def _deployment(llm) -> EngineDeployment:
     dep = object.__new__(EngineDeployment.func_or_class)
     dep.llm, dep._shutting_down, dep._replica, dep._cpu_threads = llm, False, "test", None
     dep.streaming = StreamingConfig()
+    dep.recorder = Recorder()  # in place of Ray's metrics
+    dep.metrics, dep._metrics_task = EngineMetrics("rayllm", "m", 64, factory=dep.recorder), None
     return dep
 
 
@@ -75,6 +82,13 @@ def test_generate_streams_and_ends_with_stats():
     items = _run(_deployment(FakeLLM([_output("a"), _output("b", "length", True)])))
     assert "".join(d.text for i in items for d in i.deltas) == "ab"
     assert items[-1].finished and items[-1].stats["replica"] == "test" and items[-1].error is None
+
+
+def test_replica_records_the_engine_stats_while_serving():
+    dep = _deployment(FakeLLM([_output("a"), _output("b", "length", True)]))
+    _run(dep)
+    assert dep.recorder.value("rayllm_num_requests_running", model_name="m") == 2
+    assert dep.recorder.value("rayllm_prefix_cache_queries") == 7
 
 
 def test_invalid_request_becomes_an_error_item():

@@ -14,7 +14,10 @@ from starlette.requests import ClientDisconnect
 
 from serve_app.args import AppArgs
 from serve_app.ingress import Ingress
+from serve_app.ingress import app as ingress_app
 from serve_app.messages import Delta, StreamItem
+from serve_app.metrics import IngressMetrics
+from tests.fake_metrics import Recorder
 
 # Serve's ingress wrapper has an async __del__: collecting one outside a replica warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:coroutine '.*__del__' was never awaited:RuntimeWarning")
@@ -73,6 +76,9 @@ def start_ingress(monkeypatch, tiny_llama):
         ingress = cls.__new__(cls)
         await ingress.__init__(engine, None, AppArgs(model=tiny_llama, served_model_name=MODEL, max_batch_size=1,
                                                      **args))
+        ingress.recorder = Recorder()  # in place of Ray's metrics (no Ray here)
+        ingress.metrics = IngressMetrics("rayllm", MODEL, factory=ingress.recorder)
+        ingress_app.state.metrics = ingress.metrics
         monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=ingress))
         return ingress
     yield start
@@ -122,10 +128,7 @@ async def _post(ingress, payload: dict, client_gone: str | None = None) -> list[
 
 
 def _count(ingress, status: int) -> float:
-    for line in ingress.metrics.render().decode().splitlines():
-        if line.startswith("rayllm_requests_total{") and f'status="{status}"' in line:
-            return float(line.split()[-1])
-    return 0.0
+    return ingress.recorder.value("rayllm_requests", status=str(status))
 
 
 @pytest.mark.parametrize("client_gone", ["send_fails", "before_start", "mid_stream"])

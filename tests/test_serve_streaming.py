@@ -6,9 +6,10 @@ import pytest
 
 from serve_app.errors import OpenAIError
 from serve_app.messages import Delta, StreamError, StreamItem
-from serve_app.metrics import ServeMetrics
+from serve_app.metrics import IngressMetrics
 from serve_app.responses import ChatBuilder, CompletionBuilder
 from serve_app.streaming import SSE_DONE, Generation, sse, sse_error
+from tests.fake_metrics import Recorder
 
 
 async def _items(*items):
@@ -19,7 +20,7 @@ async def _items(*items):
 
 def _gen(items, builder=None):
     builder = builder or CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None)
-    return Generation(_items(*items), builder, ServeMetrics("t", "m").request(), retry_after_s=2)
+    return Generation(_items(*items), builder, IngressMetrics("t", "m", factory=Recorder()).request(), retry_after_s=2)
 
 
 def _collect(agen):
@@ -82,7 +83,8 @@ def test_body_collects_everything():
 
 
 def test_guardrail_violation_is_a_422_and_its_outcomes_are_counted():
-    metrics = ServeMetrics("t", "m")
+    rec = Recorder()
+    metrics = IngressMetrics("t", "m", factory=rec)
     err = StreamError("guardrail_violation", "The output violated ...", param="response_format", code="max_depth")
     outcomes = [("retried", "max_depth"), ("rejected", "max_depth")]
     item = StreamItem(finished=True, error=err, guardrail_outcomes=outcomes)
@@ -93,9 +95,8 @@ def test_guardrail_violation_is_a_422_and_its_outcomes_are_counted():
     assert info.value.status_code == 422
     assert info.value.body()["error"] == {"message": "The output violated ...", "type": "guardrail_violation",
                                           "param": "response_format", "code": "max_depth"}
-    text = metrics.render().decode()
-    assert 't_guardrail_outcomes_total{model_name="m",outcome="retried",reason="max_depth"} 1.0' in text
-    assert 't_guardrail_outcomes_total{model_name="m",outcome="rejected",reason="max_depth"} 1.0' in text
+    assert rec.value("t_guardrail_outcomes", model_name="m", outcome="retried", reason="max_depth") == 1
+    assert rec.value("t_guardrail_outcomes", model_name="m", outcome="rejected", reason="max_depth") == 1
 
 
 def test_invalid_request_keeps_the_param_the_stream_error_names():
