@@ -72,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from serve_app.batch.job import run_job
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # shut the cluster down cleanly, as Ctrl-C does
     # Workers import serve_app from this checkout even when the package is not installed.
     path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(address=args.address, log_to_driver=False, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     ray.data.DataContext.get_current().enable_progress_bars = False  # ours counts rows and tokens
+    # After ray.init, which installs its own handler: shut the cluster down cleanly, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         summary = run_job(config, args.input, args.output, resume=args.resume, input_format=args.input_format,
                           output_format=args.output_format, progress=not args.no_progress)

@@ -29,6 +29,11 @@ from serve_app.placement import resolve_device
 # a failed CPU task is retried by Ray; a Python exception in generation is retried inside the
 # actor on a fresh engine (EngineStage). Either way the batch, not the job, runs again.
 
+# CPU stages (templates, tokenizing, JSON checks) are light: a quarter CPU each lets them run
+# beside engine actors that hold the node's CPUs. Differing from the engine actor's resources also
+# keeps Ray Data from fusing preprocessing into the engine actor, where it would stall generation.
+_CPU_STAGE_CPUS = 0.25
+
 
 class Processor:
     def __init__(self, config: BatchConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None):
@@ -54,13 +59,13 @@ class Processor:
         if self._retry_counter is None:
             self._retry_counter = ray.remote(num_cpus=0)(RetryCounter).remote()
         ds = ds.map_batches(preprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
-                            fn_kwargs={"config": config, "preprocess": self.preprocess})
+                            num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "preprocess": self.preprocess})
         ds = ds.map_batches(EngineStage, batch_format="pyarrow", batch_size=config.batch_size,
                             compute=ray.data.ActorPoolStrategy(size=config.num_replicas),
                             fn_constructor_kwargs={"config": config, "retry_counter": self._retry_counter},
                             **self._actor_resources())
         return ds.map_batches(postprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
-                              fn_kwargs={"config": config, "postprocess": self.postprocess})
+                              num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "postprocess": self.postprocess})
 
     def _actor_resources(self) -> dict[str, Any]:
         if self.config.device == "cuda":
