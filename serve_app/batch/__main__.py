@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine actor")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch-size", type=int, default=64, help="rows per engine call")
+    p.add_argument("--batch-size", type=int, default=256, help="rows per engine call (>= the engine's max_num_seqs)")
     p.add_argument("--max-num-seqs", type=int, help="engine knob: sequences batched at once")
     p.add_argument("--cpu-threads", type=int, help="torch threads of a CPU engine actor")
     p.add_argument("--resume", action="store_true", help="skip the ids the output directory holds already")

@@ -31,7 +31,7 @@ class BatchConfig:
     tensor_parallel_size: int = 1           # GPUs per actor on CUDA
     device: str = "auto"
     dtype: str = "auto"
-    batch_size: int = 64                    # rows per engine call: the engine batches them continuously
+    batch_size: int = 256                   # rows per engine call: >= max_num_seqs keeps the engine full
     max_batch_retries: int = 2              # a batch whose generation raises is retried on a fresh engine
     cpu_threads: int | None = None          # torch threads of a CPU engine actor; None: every core it may use
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more engine.LLM knobs (max_num_seqs, ...)

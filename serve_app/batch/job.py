@@ -36,6 +36,7 @@ class JobSummary:
     num_invalid: int = 0              # rows whose output failed the response_format (valid = false)
     num_retries: int = 0              # batches retried after a failure
     num_shards: int = 0               # shards written by this run
+    check_s: float = 0.0              # reading, numbering and checking the input, before any engine
     wall_s: float = 0.0
 
     def __str__(self) -> str:
@@ -44,7 +45,8 @@ class JobSummary:
         return (f"{self.num_rows} rows written ({self.num_skipped} already done), {self.num_prompt_tokens} prompt "
                 f"+ {self.num_generated_tokens} generated tokens, {self.num_invalid} invalid JSON rows, "
                 f"{self.num_retries} retried batches, {self.num_shards} shards, {self.wall_s:.1f} s "
-                f"({rate:.2f} rows/s, {tok_rate:.1f} generated tokens/s)")
+                f"({self.check_s:.1f} s reading and checking the input; {rate:.2f} rows/s, "
+                f"{tok_rate:.1f} generated tokens/s)")
 
 
 def _write_batch(batch: pa.Table, output: str, fmt: str) -> pa.Table:
@@ -73,6 +75,7 @@ def run_job(config: BatchConfig, input_path: str, output: str, *, resume: bool =
     ds = with_ids(read_input(input_path, input_format), config.id_column)
     config = dataclasses.replace(config, id_column=None)  # the ids are in the `id` column now
     num_input = check_input(ds, config, preprocess, input_path)
+    summary.check_s = time.monotonic() - start
     done: set[Any] = set()
     if resume:
         shards.remove_temporaries(output)
