@@ -82,7 +82,7 @@ def run_job(config: BatchConfig, input_path: str, output: str, *, resume: bool =
         done = shards.done_ids(output)
     summary.num_skipped = len(done)
     processor = Processor(config, preprocess, postprocess)
-    out = processor(filter_done(ds, done))
+    out = processor.stages(filter_done(ds, done))  # checked above
     written = out.map_batches(_write_batch, batch_format="pyarrow", batch_size=None,
                               fn_kwargs={"output": output, "fmt": output_format})
     _drive(written, summary, total=num_input - len(done), start=start, progress=progress)

@@ -56,6 +56,11 @@ class Processor:
                              "serve_app.batch.with_position_ids(ds)")
         elif self.preprocess is None:
             check_columns(config, columns, "the input")
+        return self.stages(ds)
+
+    def stages(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        """The pipeline over a Dataset that has an `id` column and was checked already (run_job)."""
+        config = self.config
         if self._retry_counter is None:
             self._retry_counter = ray.remote(num_cpus=0)(RetryCounter).remote()
         ds = ds.map_batches(preprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
