@@ -97,11 +97,19 @@ def main(argv: list[str] | None = None) -> int:
              peer_wall / batch_wall],
             ["batch job, after input checks", summary.num_rows / (batch_wall - summary.check_s),
              summary.num_generated_tokens / (batch_wall - summary.check_s), peer_wall / (batch_wall - summary.check_s)]]
+    steady_s = batch_wall - summary.first_shard_s  # from the first shard to the last: start-up excluded
+    if summary.num_shards > 1 and steady_s > 0:
+        steady_rows = summary.num_rows - summary.first_shard_rows
+        peer_rows_s = len(prompts) / peer_wall
+        rows.append(["batch job, after the first shard", steady_rows / steady_s,
+                     summary.num_generated_tokens * steady_rows / summary.num_rows / steady_s,
+                     steady_rows / steady_s / peer_rows_s])
     payload = base_metadata(sys.argv) | {
         "workload": {"num_rows": args.num_rows, "input_words": args.input_words, "max_tokens": args.max_tokens,
                      "batch_size": args.batch_size, "model": model},
         "peer": {"wall_s": peer_wall, "generated_tokens": peer_tokens},
-        "batch": {"wall_s": batch_wall, "check_s": summary.check_s, "generated_tokens": summary.num_generated_tokens,
+        "batch": {"wall_s": batch_wall, "check_s": summary.check_s, "first_shard_s": summary.first_shard_s,
+                  "first_shard_rows": summary.first_shard_rows, "generated_tokens": summary.num_generated_tokens,
                   "prompt_tokens": summary.num_prompt_tokens, "shards": summary.num_shards},
         "ratio": peer_wall / batch_wall, "rows_equal": same}
     write_json(args.out, payload)

@@ -37,6 +37,8 @@ class JobSummary:
     num_retries: int = 0              # batches retried after a failure
     num_shards: int = 0               # shards written by this run
     check_s: float = 0.0              # reading, numbering and checking the input, before any engine
+    first_shard_s: float = 0.0        # until the first shard was written (engine start-up included)
+    first_shard_rows: int = 0         # rows in that shard
     wall_s: float = 0.0
 
     def __str__(self) -> str:
@@ -102,6 +104,8 @@ def _drive(written: ray.data.Dataset, summary: JobSummary, total: int, start: fl
             summary.num_generated_tokens += row["num_generated_tokens"]
             summary.num_invalid += row["num_invalid"]
             summary.num_shards += 1
+            if summary.num_shards == 1:
+                summary.first_shard_s, summary.first_shard_rows = time.monotonic() - start, row["num_rows"]
             bar.update(row["num_rows"])
             elapsed = time.monotonic() - start
             bar.set_postfix_str(f"{summary.num_generated_tokens / elapsed:.1f} tok/s, "
