@@ -71,3 +71,12 @@ def test_from_files_names_an_unreadable_file(tiny_llama, tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="schema.json is not valid JSON"):
         BatchConfig.from_files(response_format_file=str(bad), model=tiny_llama)
+
+
+def test_input_columns_the_output_would_overwrite_are_kept_renamed(tiny_llama):
+    config = BatchConfig(model=tiny_llama, template="Doc: {{ text }}")
+    row = build_prompts(config, load_tokenizer(tiny_llama), [{"id": 0, "text": "the doc", "error": 1}])[0]
+    assert (row["prompt"], row["input_text"], row["input_error"]) == ("Doc: the doc", "the doc", 1)
+    assert "text" not in row and "error" not in row
+    same = build_prompts(BatchConfig(model=tiny_llama), load_tokenizer(tiny_llama), [{"id": 0, "prompt": "p"}])[0]
+    assert "input_prompt" not in same and same["prompt"] == "p"

@@ -16,6 +16,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from serve_app.batch.config import BatchConfig
 
 ID = "id"  # the output's id column, whatever the input's id column is called
+# Columns the job writes. An input column of one of these names is kept as input_<name>.
+OUTPUT_COLUMNS = ("prompt", "text", "num_prompt_tokens", "num_generated_tokens", "finish_reason", "valid", "error")
 
 
 @functools.lru_cache(maxsize=8)
@@ -91,8 +93,17 @@ def build_prompts(config: BatchConfig, tokenizer, rows: list[dict[str, Any]]) ->
     for row, text, token_ids in zip(rows, texts, ids):
         if not token_ids:
             raise ValueError(f"row id={row.get(ID)!r}: the prompt is empty (0 tokens)")
-        out.append({**row, "prompt": text, "prompt_token_ids": list(token_ids)})
+        out.append({**_keep_inputs(row, text), "prompt": text, "prompt_token_ids": list(token_ids)})
     return out
+
+
+def _keep_inputs(row: dict[str, Any], prompt: str) -> dict[str, Any]:
+    """The row with its columns that the output would overwrite renamed input_<name> (a document
+    column called `text`, say); a `prompt` column equal to the prompt is simply the prompt."""
+    clashes = [c for c in OUTPUT_COLUMNS if c in row and not (c == "prompt" and row[c] == prompt)]
+    if not clashes:
+        return row
+    return {(f"input_{k}" if k in clashes else k): v for k, v in row.items()}
 
 
 @functools.lru_cache(maxsize=4)
