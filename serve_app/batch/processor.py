@@ -63,6 +63,10 @@ class Processor:
         config = self.config
         if self._retry_counter is None:
             self._retry_counter = ray.remote(num_cpus=0)(RetryCounter).remote()
+        # Blocks of batch_size rows: a map task emits its output block only when it ends, so one
+        # input block of 100k rows would be one engine call sequence, one shard, and no progress
+        # (nor anything kept by a kill) until it all finished.
+        ds = ds.repartition(target_num_rows_per_block=config.batch_size)
         ds = ds.map_batches(preprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
                             num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "preprocess": self.preprocess})
         ds = ds.map_batches(EngineStage, batch_format="pyarrow", batch_size=config.batch_size,
