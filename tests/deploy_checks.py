@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RAYSERVICE = ROOT / "deploy" / "rayservice.yaml"
 SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-CRD = Path(__file__).resolve().parent / "fixtures" / "ray.io_rayservices.yaml"
+RAYJOB = ROOT / "deploy" / "rayjob.yaml"
+_FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CRDS = {"RayService": _FIXTURES / "ray.io_rayservices.yaml", "RayJob": _FIXTURES / "ray.io_rayjobs.yaml"}
 # The deployments build_app binds: a config entry under another name would not configure them.
 DEPLOYMENT_NAMES = {d.name for d in (Ingress, Guardrails, EngineDeployment)}
 
@@ -85,13 +87,15 @@ def _int64(value) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _crd() -> dict:
-    return yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 1 MB
+def _crd(kind: str) -> dict:
+    if kind not in CRDS:
+        raise ValueError(f"kind {kind!r}: no CRD fixture (have {sorted(CRDS)})")
+    return yaml.load(CRDS[kind].read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 1 MB
 
 
 @functools.lru_cache(maxsize=None)
 def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
-    crd = _crd()
+    crd = _crd(kind)
     group, _, version = api_version.partition("/")
     if (group, kind) != (crd["spec"]["group"], crd["spec"]["names"]["kind"]):
         raise ValueError(f"{api_version} {kind} is not the CRD's {crd['spec']['group']} {crd['spec']['names']['kind']}")
@@ -186,9 +190,15 @@ def agreement_errors(rayservice_app: dict, local_app: dict) -> list[str]:
 
 def _containers(manifest: dict) -> list[tuple[str, dict, dict]]:
     """(group, pod spec, ray container) of the head and each worker group."""
-    cluster = manifest["spec"]["rayClusterConfig"]
+    cluster = _cluster(manifest)
     groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster.get("workerGroupSpecs", [])]
     return [(name, g["template"]["spec"], g["template"]["spec"]["containers"][0]) for name, g in groups]
+
+
+def _cluster(manifest: dict) -> dict:
+    """The RayCluster spec: a RayService's rayClusterConfig, a RayJob's rayClusterSpec."""
+    spec = manifest["spec"]
+    return spec["rayClusterConfig"] if "rayClusterConfig" in spec else spec["rayClusterSpec"]
 
 
 def _quantity(value) -> float:
@@ -255,3 +265,56 @@ def with_serve_config(manifest: dict, change) -> dict:
     change(config)
     bad["spec"]["serveConfigV2"] = yaml.safe_dump(config, sort_keys=False)
     return bad
+
+
+# -- the RayJob (deploy/rayjob.yaml): a batch job, python -m serve_app.batch ------------------
+def rayjob_args(manifest: dict):
+    """The entrypoint's arguments through the batch CLI's own parser (ValueError if it refuses)."""
+    import shlex
+
+    from serve_app.batch.__main__ import parse_args
+    argv = shlex.split(manifest["spec"]["entrypoint"])
+    if argv[:3] != ["python", "-m", "serve_app.batch"]:
+        raise ValueError(f"entrypoint runs {argv[:3]}, not python -m serve_app.batch")
+    try:
+        return parse_args(argv[3:])
+    except SystemExit:  # argparse printed why on stderr
+        raise ValueError(f"the batch CLI refuses the entrypoint's arguments {argv[3:]}") from None
+
+
+def rayjob_errors(manifest: dict) -> list[str]:
+    """What the CRD does not see: CLI arguments, GPUs per pod, replicas, volumes, resume."""
+    try:
+        args = rayjob_args(manifest)
+    except ValueError as e:
+        return [str(e)]
+    errors = [] if args.resume else ["--resume missing: a retried job (backoffLimit) would refuse the output"]
+    if args.device != "cuda":
+        errors.append(f"--device {args.device}: a GPU cluster wants cuda")
+    head, *workers = _containers(manifest)
+    gpu_groups = [g for g in _cluster(manifest).get("workerGroupSpecs", [])
+                  if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"].get("limits", {})]
+    for group in gpu_groups:
+        gpus = int(_quantity(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]))
+        if gpus != args.tensor_parallel_size:
+            errors.append(f"{group['groupName']}: {gpus} GPUs per pod, an engine actor "
+                          f"(--tensor-parallel-size) takes {args.tensor_parallel_size}")
+    pods = sum(g["replicas"] for g in gpu_groups)
+    if pods != args.num_replicas:
+        errors.append(f"--num-replicas {args.num_replicas} != {pods} GPU pods")
+    paths = {"the model": (args.model, False), "the input": (args.input, False), "the output": (args.output, True),
+             "the template": (args.template, False), "the response format": (args.response_format, False)}
+    for group, pod, container in _containers(manifest):
+        for what, (path, write) in paths.items():
+            if path and "://" not in path and not _on_volume(pod, container, path, write):
+                errors.append(f"{group}: {path!r} ({what}) is on no {'writable ' if write else ''}mounted "
+                              f"PersistentVolumeClaim")
+    return errors
+
+
+def _on_volume(pod: dict, container: dict, path: str, write: bool) -> bool:
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    return any(path.startswith(m["mountPath"].rstrip("/") + "/")
+               and "persistentVolumeClaim" in volumes.get(m["name"], {})
+               and not (write and (m.get("readOnly") or volumes[m["name"]]["persistentVolumeClaim"].get("readOnly")))
+               for m in container.get("volumeMounts", []))

@@ -183,3 +183,58 @@ def test_consistency_catches(manifest, change, expected):
 def test_consistency_catches_cpu_args(manifest):
     bad = with_serve_config(manifest, _app_args(device="cpu", dtype="float32"))
     assert any("cuda/bfloat16" in e for e in consistency_errors(bad))
+
+
+# -- deploy/rayjob.yaml: the batch job (serve_app.batch) --------------------------------------
+@pytest.fixture(scope="module")
+def rayjob() -> dict:
+    from tests.deploy_checks import RAYJOB
+    return load_yaml(RAYJOB.read_text())
+
+
+def test_rayjob_matches_the_kuberay_crd_and_the_batch_cli(rayjob):
+    from tests.deploy_checks import rayjob_errors
+    assert (rayjob["apiVersion"], rayjob["kind"]) == ("ray.io/v1", "RayJob")
+    assert crd_errors(rayjob) == []
+    assert rayjob_errors(rayjob) == []
+
+
+def test_rayjob_runs_the_rayservice_image_and_ray_version(rayjob, manifest):
+    images = {c["image"] for _, _, c in _containers(rayjob)}
+    assert images == {c["image"] for _, _, c in _containers(manifest)}
+    assert rayjob["spec"]["rayClusterSpec"]["rayVersion"] == manifest["spec"]["rayClusterConfig"]["rayVersion"]
+
+
+_JOB_WORKER = "spec.rayClusterSpec.workerGroupSpecs.0"
+
+
+@pytest.mark.parametrize("change,expected", [
+    (_set("spec.entrypointt", "x"), r"'entrypointt' was unexpected"),
+    (_set("spec.backoffLimit", "2"), r"backoffLimit: '2' is not of type 'integer'"),
+    (_set("spec.shutdownAfterJobFinishes", "yes"), r"shutdownAfterJobFinishes: 'yes' is not of type 'boolean'"),
+    (_set(_JOB_WORKER + ".groupName", _DELETE), r"'groupName' is a required property"),
+])
+def test_rayjob_crd_validation_catches(rayjob, change, expected):
+    bad = copy.deepcopy(rayjob)
+    change(bad)
+    assert re.search(expected, "\n".join(crd_errors(bad))), crd_errors(bad)
+
+
+def _entrypoint(old, new):
+    return lambda m: m["spec"].update(entrypoint=m["spec"]["entrypoint"].replace(old, new))
+
+
+@pytest.mark.parametrize("change,expected", [
+    (_entrypoint("--resume", ""), r"--resume missing"),
+    (_entrypoint("--num-replicas 4", "--num-replicas 3"), r"--num-replicas 3 != 4 GPU pods"),
+    (_entrypoint("--tensor-parallel-size 1", "--tensor-parallel-size 2"), r"1 GPUs per pod.* takes 2"),
+    (_entrypoint("--max-tokens", "--max-tokenz"), r"the batch CLI refuses"),
+    (_entrypoint("--output /data/extracted", "--output /models/out"), r"'/models/out' \(the output\) is on no writable"),
+    (_entrypoint("--model /models/", "--model /weights/"), r"'/weights/Qwen3-8B' \(the model\) is on no mounted"),
+    (_entrypoint("python -m serve_app.batch", "python -m serve_app.batsh"), r"not python -m serve_app.batch"),
+])
+def test_rayjob_consistency_catches(rayjob, change, expected):
+    from tests.deploy_checks import rayjob_errors
+    bad = copy.deepcopy(rayjob)
+    change(bad)
+    assert re.search(expected, "\n".join(rayjob_errors(bad))), rayjob_errors(bad)

@@ -1,0 +1,115 @@
+"""`BatchConfig`: what a batch job runs, as plain values validated once.
+
+No I/O here: `from_files` (the CLI's path) is the one place that reads a template or schema file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class BatchConfig:
+    model: str                              # checkpoint directory or hub id, as engine.LLM takes it
+    prompt_column: str | None = None        # the prompt is this column's text ("prompt" when no template)
+    template: str | None = None             # or: a Jinja template rendered with the row's columns
+    chat: bool = False                      # wrap the prompt as a user message in the model's chat template
+    id_column: str | None = None            # the row's id; None: its position in the input (0, 1, ...)
+    max_tokens: int = 256
+    temperature: float = 0.0                # greedy by default: a batch job should be reproducible
+    top_p: float = 1.0
+    seed: int | None = None                 # with temperature > 0: each row samples with a seed derived from (seed, id)
+    response_format: dict | None = None     # a JSON Schema, or {"type": "json_object"}; see `structured_outputs`
+    num_replicas: int = 1                   # engine actors (each holds one engine.LLM)
+    tensor_parallel_size: int = 1           # GPUs per actor on CUDA
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 256                   # rows per engine call: >= max_num_seqs keeps the engine full
+    max_batch_retries: int = 2              # a batch whose generation raises is retried on a fresh engine
+    cpu_threads: int | None = None          # torch threads of a CPU engine actor; None: every core it may use
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more engine.LLM knobs (max_num_seqs, ...)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} is invalid: must be a checkpoint directory or hub id")
+        if self.template is not None and self.prompt_column is not None:
+            raise ValueError("give either prompt_column or template, not both")
+        if self.template is None and self.prompt_column is None:
+            self.prompt_column = "prompt"
+        if self.device not in _DEVICES:
+            raise ValueError(f"device={self.device!r} is invalid: must be one of {_DEVICES}")
+        for name in ("num_replicas", "tensor_parallel_size", "batch_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("max_batch_retries", self.max_batch_retries, minimum=0)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, minimum=1)
+        if self.response_format is not None:
+            self.structured_outputs()  # refuse a bad response_format now, not in an actor
+        self.sampling_params(0)  # SamplingParams' own checks on max_tokens, temperature, top_p, seed
+
+    @classmethod
+    def from_files(cls, template_file: str | None = None, response_format_file: str | None = None,
+                   **kwargs: Any) -> "BatchConfig":
+        """The CLI's constructor: the template and the response format come from files."""
+        if template_file is not None:
+            kwargs["template"] = _read_text(template_file, "template")
+        if response_format_file is not None:
+            text = _read_text(response_format_file, "response format")
+            try:
+                kwargs["response_format"] = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"response format file {response_format_file} is not valid JSON: {e}") from None
+        return cls(**kwargs)
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The engine constraint of `response_format`: OpenAI's {"type": "json_schema", "json_schema":
+        {"schema": ...}} or {"type": "json_object"}, or a bare JSON Schema."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        if not isinstance(rf, dict):
+            raise ValueError(f"response_format must be a JSON object, got {type(rf).__name__}")
+        if rf.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.get("type") == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=rf)
+
+    def sampling_params(self, row_id: Any) -> SamplingParams:
+        """The row's sampling parameters. The seed depends on the row's id, not on its batch or
+        position, so a resumed job samples every row exactly as the first run would have."""
+        seed = None if self.seed is None else row_seed(self.seed, row_id)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=seed, structured_outputs=self.structured_outputs())
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return dict(self.engine_kwargs, device=self.device, dtype=self.dtype,
+                    tensor_parallel_size=self.tensor_parallel_size)
+
+
+def row_seed(seed: int, row_id: Any) -> int:
+    """63 bits of sha256("<seed>:<id>"): stable across runs and processes (Python's hash() is not)."""
+    digest = hashlib.sha256(f"{seed}:{row_id!r}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} file {path}: {e.strerror or e}") from None

@@ -1,0 +1,97 @@
+"""`build_processor(config, preprocess=None, postprocess=None)`: a ray.data.Dataset of input rows
+in, a Dataset of output rows out (lazily: nothing runs until the result is consumed).
+
+    import ray
+    from serve_app.batch import BatchConfig, build_processor
+
+    processor = build_processor(BatchConfig(model="models/tiny-llama", template="Summarise: {{ doc }}"),
+                                postprocess=lambda row: {"summary": row["text"].strip()})
+    out = processor(ray.data.read_json("docs.jsonl"))   # needs an `id` column, or id_column=...
+    out.write_parquet("summaries/")
+
+Each output row: id, prompt, text, num_prompt_tokens, num_generated_tokens, finish_reason
+(+ valid and error with a response_format), + what postprocess returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+
+from serve_app.batch.config import BatchConfig
+from serve_app.batch.prompts import ID, check_columns
+from serve_app.batch.stages import EngineStage, RetryCounter, RowFn, postprocess_batch, preprocess_batch
+from serve_app.placement import resolve_device
+
+# Retries: an engine actor that dies (OOM-kill, a lost node) is restarted and its batch
+# resubmitted by Ray Data's defaults for actor pools (max_restarts=-1, max_task_retries=-1), and
+# a failed CPU task is retried by Ray; a Python exception in generation is retried inside the
+# actor on a fresh engine (EngineStage). Either way the batch, not the job, runs again.
+
+# CPU stages (templates, tokenizing, JSON checks) are light: a quarter CPU each lets them run
+# beside engine actors that hold the node's CPUs. Differing from the engine actor's resources also
+# keeps Ray Data from fusing preprocessing into the engine actor, where it would stall generation.
+_CPU_STAGE_CPUS = 0.25
+
+
+class Processor:
+    def __init__(self, config: BatchConfig, preprocess: RowFn | None = None, postprocess: RowFn | None = None):
+        # The device is decided here, on the driver, from the cluster's resources.
+        self.config = dataclasses.replace(config, device=resolve_device(config.device))
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self._retry_counter = None
+
+    def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        config = self.config
+        columns = ds.columns()
+        if config.id_column is not None:
+            check_columns(config if self.preprocess is None else _ids_only(config), columns, "the input")
+            if config.id_column != ID:
+                ds = ds.rename_columns({config.id_column: ID}) if ID not in columns else \
+                    ds.drop_columns([ID]).rename_columns({config.id_column: ID})
+        elif ID not in columns:
+            raise ValueError("the dataset has no 'id' column: set id_column=, or number the rows with "
+                             "serve_app.batch.with_position_ids(ds)")
+        elif self.preprocess is None:
+            check_columns(config, columns, "the input")
+        return self.stages(ds)
+
+    def stages(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        """The pipeline over a Dataset that has an `id` column and was checked already (run_job)."""
+        config = self.config
+        if self._retry_counter is None:
+            self._retry_counter = ray.remote(num_cpus=0)(RetryCounter).remote()
+        # Blocks of batch_size rows: a map task emits its output block only when it ends, so one
+        # input block of 100k rows would be one engine call sequence, one shard, and no progress
+        # (nor anything kept by a kill) until it all finished.
+        ds = ds.repartition(target_num_rows_per_block=config.batch_size)
+        ds = ds.map_batches(preprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
+                            num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "preprocess": self.preprocess})
+        ds = ds.map_batches(EngineStage, batch_format="pyarrow", batch_size=config.batch_size,
+                            compute=ray.data.ActorPoolStrategy(size=config.num_replicas),
+                            fn_constructor_kwargs={"config": config, "retry_counter": self._retry_counter},
+                            **self._actor_resources())
+        return ds.map_batches(postprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
+                              num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "postprocess": self.postprocess})
+
+    def _actor_resources(self) -> dict[str, Any]:
+        if self.config.device == "cuda":
+            return {"num_gpus": self.config.tensor_parallel_size, "num_cpus": 1}
+        return {"num_cpus": 1}  # a reservation; the actor's torch uses config.cpu_threads threads
+
+    @property
+    def num_retries(self) -> int:
+        """Batches retried so far by this processor's engine actors."""
+        return 0 if self._retry_counter is None else ray.get(self._retry_counter.get.remote())
+
+
+def build_processor(config: BatchConfig, preprocess: RowFn | None = None,
+                    postprocess: RowFn | None = None) -> Processor:
+    return Processor(config, preprocess, postprocess)
+
+
+def _ids_only(config: BatchConfig) -> BatchConfig:
+    """With a preprocess function, the template's variables may come from it: check only the id."""
+    return dataclasses.replace(config, template=None, prompt_column=config.id_column)

@@ -1,0 +1,181 @@
+"""serve_app.batch end to end: real Ray (one local cluster for the module), tiny random models."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from engine import LLM, SamplingParams
+from serve_app.batch import BatchConfig, build_processor, run_job, shards
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _by_id(out_dir):
+    rows = shards.read_rows(str(out_dir))
+    assert len(rows) == len({r["id"] for r in rows}), "an id was written twice"
+    return {r["id"]: r for r in rows}
+
+
+PROMPTS = [f"the story of item {i} is" + " long" * (i % 5) for i in range(10)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_outputs_equal_llm_generate_row_for_row(ray_cluster, tiny_llama, tmp_path, fmt):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=8, batch_size=4)
+    summary = run_job(config, src, str(tmp_path / "out"), output_format=fmt, progress=False)
+    expected = LLM(tiny_llama, device="cpu").generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0),
+                                                      use_tqdm=False)
+    got = _by_id(tmp_path / "out")
+    assert sorted(got) == list(range(len(PROMPTS)))  # ids: row positions
+    for i, ref in enumerate(expected):
+        row = got[i]
+        assert (row["prompt"], row["text"], row["finish_reason"]) == (PROMPTS[i], ref.outputs[0].text, "length")
+        assert row["num_prompt_tokens"] == len(ref.prompt_token_ids)
+        assert row["num_generated_tokens"] == len(ref.outputs[0].token_ids) == 8
+    assert (summary.num_rows, summary.num_generated_tokens, summary.num_invalid) == (10, 80, 0)
+    assert summary.num_prompt_tokens == sum(len(r.prompt_token_ids) for r in expected)
+
+
+def test_template_with_variables_and_an_id_column(ray_cluster, tiny_llama, tmp_path):
+    src = tmp_path / "in.csv"
+    src.write_text("key,title,body\nk1,Cats,They sleep\nk2,Dogs,They bark\nk3,Owls,They hoot\n")
+    template = "Title: {{ title }}\nText: {{ body }}\nSummary:"
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=6, template=template, id_column="key")
+    run_job(config, str(src), str(tmp_path / "out"), progress=False)
+    rendered = {"k1": "Title: Cats\nText: They sleep\nSummary:", "k2": "Title: Dogs\nText: They bark\nSummary:",
+                "k3": "Title: Owls\nText: They hoot\nSummary:"}
+    expected = LLM(tiny_llama, device="cpu").generate(list(rendered.values()), SamplingParams(max_tokens=6,
+                                                      temperature=0), use_tqdm=False)
+    got = _by_id(tmp_path / "out")
+    assert sorted(got) == ["k1", "k2", "k3"]
+    for (key, prompt), ref in zip(rendered.items(), expected):
+        assert (got[key]["prompt"], got[key]["text"]) == (prompt, ref.outputs[0].text)
+        assert got[key]["title"] and got[key]["body"]  # the input's columns come along
+
+
+def test_chat_template_equals_llm_chat(ray_cluster, tiny_qwen2, tmp_path):
+    questions = ["what is a cat?", "name a colour", "count to three"]
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"q": q} for q in questions])
+    config = BatchConfig(model=tiny_qwen2, device="cpu", max_tokens=6, prompt_column="q", chat=True)
+    run_job(config, src, str(tmp_path / "out"), progress=False)
+    expected = LLM(tiny_qwen2, device="cpu").chat([[{"role": "user", "content": q}] for q in questions],
+                                                  SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    got = _by_id(tmp_path / "out")
+    for i, ref in enumerate(expected):
+        assert got[i]["text"] == ref.outputs[0].text
+        assert got[i]["prompt"].startswith("<|im_start|>user\n" + questions[i])
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_json_schema_rows_are_valid_or_flagged(ray_cluster, tiny_llama, tmp_path):
+    docs = [f"extract the person from: person {i} is called Ann and is {20 + i} years old" for i in range(8)]
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": d} for d in docs])
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=40, response_format=SCHEMA,
+                         temperature=0.7, seed=1)
+    summary = run_job(config, src, str(tmp_path / "out"), progress=False)
+    rows = _by_id(tmp_path / "out").values()
+    assert len(rows) == 8
+    for row in rows:
+        if row["valid"]:
+            jsonschema.validate(json.loads(row["text"]), SCHEMA)
+            assert row["error"] is None
+        else:  # flagged with the guardrail's reason, never dropped
+            assert row["error"].split(":")[0] in ("invalid_json", "schema")
+            with pytest.raises((ValueError, jsonschema.ValidationError)):
+                jsonschema.validate(json.loads(row["text"]), SCHEMA)
+    assert summary.num_invalid == sum(not r["valid"] for r in rows)
+
+
+def test_processor_api_with_preprocess_and_postprocess(ray_cluster, tiny_llama):
+    import ray
+    ds = ray.data.from_items([{"id": i, "n": i} for i in range(4)])
+    processor = build_processor(BatchConfig(model=tiny_llama, device="cpu", max_tokens=4, template="number {{ word }}"),
+                                preprocess=lambda row: {**row, "word": "x" * (row["n"] + 1)},
+                                postprocess=lambda row: {"short": row["text"][:3], "n_plus": row["n"] + 1})
+    rows = sorted(processor(ds).take_all(), key=lambda r: r["id"])
+    assert [r["prompt"] for r in rows] == ["number x", "number xx", "number xxx", "number xxxx"]
+    assert all(r["short"] == r["text"][:3] and r["n_plus"] == r["n"] + 1 for r in rows)
+    assert processor.num_retries == 0
+
+
+def test_bad_input_fails_fast_naming_it(ray_cluster, tiny_llama, tmp_path):
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=4, template="{{ title }}: {{ body }}")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"cannot read the input .*nope.jsonl"):
+        run_job(config, str(tmp_path / "nope.jsonl"), str(out), progress=False)
+    src = _write_jsonl(tmp_path / "a.jsonl", [{"title": "t"}])
+    with pytest.raises(ValueError, match=r"has no column\(s\) \['body'\]"):
+        run_job(config, src, str(out), progress=False)
+    src = _write_jsonl(tmp_path / "b.jsonl", [{"title": "t", "body": "b"}, {"title": "u", "body": None}])
+    with pytest.raises(ValueError, match=r"row id=1: template variable\(s\) \['body'\] absent"):
+        run_job(config, src, str(out), progress=False)
+    src = _write_jsonl(tmp_path / "c.jsonl", [{"k": 1, "title": "t", "body": "b"}] * 2)
+    with pytest.raises(ValueError, match="id 1 appears more than once"):
+        run_job(BatchConfig(model=tiny_llama, template="{{ title }}", id_column="k"), src, str(out), progress=False)
+    assert not out.exists()  # nothing generated
+    shards.write_shard(str(out), __import__("pyarrow").table({"id": [0]}), "jsonl")
+    with pytest.raises(ValueError, match="holds 1 shard.*--resume"):
+        run_job(config, src, str(out), progress=False)
+
+
+def _cli(model, src, out, *extra):
+    cmd = [sys.executable, "-m", "serve_app.batch", "--model", model, "--input", src, "--output", out,
+           "--device", "cpu", "--max-tokens", "12", "--batch-size", "2", "--temperature", "0.8", "--seed", "7",
+           "--no-progress", *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_midway_then_resume_gives_every_id_once_with_the_same_outputs(ray_cluster, tiny_llama, tmp_path):
+    n = 40
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"row {i} says" + " more" * (i % 7)} for i in range(n)])
+    out = tmp_path / "out"
+    job = _cli(tiny_llama, src, str(out))
+    deadline = time.monotonic() + 240
+    while not shards.list_shards(str(out)) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    log = job.communicate(timeout=120)[0]
+    assert job.returncode == 143, log
+    partial = _by_id(out)
+    assert 0 < len(partial) < n, "the job was not killed midway"
+    resumed = _cli(tiny_llama, src, str(out), "--resume")
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, log
+    assert f"({len(partial)} already done)" in log
+    got = _by_id(out)
+    assert sorted(got) == list(range(n))
+    # The same outputs as one uninterrupted run: seeds follow the row's id, not its batch.
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=12, batch_size=5, temperature=0.8, seed=7)
+    run_job(config, src, str(tmp_path / "ref"), progress=False)
+    ref = _by_id(tmp_path / "ref")
+    assert {i: got[i]["text"] for i in got} == {i: ref[i]["text"] for i in ref}
+    assert all(got[i]["text"] == partial[i]["text"] for i in partial)

@@ -1,0 +1,26 @@
+"""python -m serve_app.batch: arguments refused before any Ray cluster starts."""
+import pytest
+
+from serve_app.batch.__main__ import _config, main, parse_args
+
+
+def test_bad_arguments_exit_2_naming_them(tiny_llama, tmp_path, capsys):
+    base = ["--model", tiny_llama, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")]
+    assert main(base + ["--template", str(tmp_path / "missing.j2")]) == 2
+    assert "cannot read the template file" in capsys.readouterr().err
+    assert main(base + ["--num-replicas", "0"]) == 2
+    assert "num_replicas=0 is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: one prompt source only
+        parse_args(base + ["--prompt-column", "p", "--template", "t.j2"])
+
+
+def test_arguments_become_the_config(tiny_llama, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    args = parse_args(["--model", tiny_llama, "--input", "x.csv", "--output", "o", "--chat", "--seed", "3",
+                       "--temperature", "0.5", "--response-format", str(schema), "--max-num-seqs", "8",
+                       "--tensor-parallel-size", "2", "--device", "cuda", "--address", "local"])
+    config = _config(args)
+    assert (config.chat, config.seed, config.temperature, config.tensor_parallel_size) == (True, 3, 0.5, 2)
+    assert config.response_format == {"type": "object"} and config.engine_kwargs == {"max_num_seqs": 8}
+    assert config.prompt_column == "prompt" and config.batch_size == 256

@@ -1,0 +1,82 @@
+"""serve_app.batch.prompts and .config: rows to prompts, without Ray."""
+import pytest
+
+from serve_app.batch.config import BatchConfig, row_seed
+from serve_app.batch.prompts import build_prompts, check_columns, load_tokenizer, render_prompt
+
+
+def test_template_renders_the_rows_columns(tiny_llama):
+    config = BatchConfig(model=tiny_llama, template="Title: {{ title }}\nBody: {{ body | upper }}")
+    assert render_prompt(config, {"id": 1, "title": "a", "body": "b"}) == "Title: a\nBody: B"
+
+
+def test_template_variable_absent_from_a_row_is_named(tiny_llama):
+    config = BatchConfig(model=tiny_llama, template="{{ title }} {{ body }}")
+    with pytest.raises(ValueError, match=r"row id=7: template variable\(s\) \['body'\] absent"):
+        render_prompt(config, {"id": 7, "title": "a", "body": None})
+
+
+def test_missing_column_is_named_before_any_row(tiny_llama):
+    config = BatchConfig(model=tiny_llama, template="{{ title }} {{ body }}", id_column="key")
+    with pytest.raises(ValueError, match=r"input.jsonl has no column\(s\) \['body', 'key'\]"):
+        check_columns(config, ["title"], "input.jsonl")
+
+
+def test_bad_template_and_empty_prompt_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match="does not parse"):
+        render_prompt(BatchConfig(model=tiny_llama, template="{{ x "), {"id": 0, "x": 1})
+    with pytest.raises(ValueError, match="column 'prompt' must be a non-empty string"):
+        render_prompt(BatchConfig(model=tiny_llama), {"id": 0, "prompt": ""})
+
+
+def test_prompts_tokenize_as_the_engine_does(tiny_qwen2):
+    tok = load_tokenizer(tiny_qwen2)
+    plain = build_prompts(BatchConfig(model=tiny_qwen2), tok, [{"id": 0, "prompt": "hello there"}])[0]
+    assert plain["prompt_token_ids"] == tok.encode("hello there")
+    chat = build_prompts(BatchConfig(model=tiny_qwen2, chat=True), tok, [{"id": 0, "prompt": "hi"}])[0]
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat["prompt"] == text
+    assert chat["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+
+
+def test_config_refuses_bad_values(tiny_llama):
+    with pytest.raises(ValueError, match="either prompt_column or template"):
+        BatchConfig(model=tiny_llama, prompt_column="p", template="{{ p }}")
+    with pytest.raises(ValueError, match="num_replicas=0"):
+        BatchConfig(model=tiny_llama, num_replicas=0)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        BatchConfig(model=tiny_llama, temperature=-1)
+    with pytest.raises(ValueError, match="json_schema needs json_schema.schema"):
+        BatchConfig(model=tiny_llama, response_format={"type": "json_schema"})
+
+
+def test_response_format_forms(tiny_llama):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for rf in (schema, {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}):
+        assert BatchConfig(model=tiny_llama, response_format=rf).structured_outputs().json == schema
+    assert BatchConfig(model=tiny_llama, response_format={"type": "json_object"}).structured_outputs().json_object
+
+
+def test_row_seed_depends_on_the_id_only(tiny_llama):
+    config = BatchConfig(model=tiny_llama, temperature=0.8, seed=3)
+    assert config.sampling_params("a").seed == config.sampling_params("a").seed == row_seed(3, "a")
+    assert row_seed(3, "a") != row_seed(3, "b") and row_seed(3, 1) != row_seed(3, "1")
+    assert BatchConfig(model=tiny_llama).sampling_params(0).seed is None
+
+
+def test_from_files_names_an_unreadable_file(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="cannot read the template file .*nope.j2"):
+        BatchConfig.from_files(template_file=str(tmp_path / "nope.j2"), model=tiny_llama)
+    bad = tmp_path / "schema.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="schema.json is not valid JSON"):
+        BatchConfig.from_files(response_format_file=str(bad), model=tiny_llama)
+
+
+def test_input_columns_the_output_would_overwrite_are_kept_renamed(tiny_llama):
+    config = BatchConfig(model=tiny_llama, template="Doc: {{ text }}")
+    row = build_prompts(config, load_tokenizer(tiny_llama), [{"id": 0, "text": "the doc", "error": 1}])[0]
+    assert (row["prompt"], row["input_text"], row["input_error"]) == ("Doc: the doc", "the doc", 1)
+    assert "text" not in row and "error" not in row
+    same = build_prompts(BatchConfig(model=tiny_llama), load_tokenizer(tiny_llama), [{"id": 0, "prompt": "p"}])[0]
+    assert "input_prompt" not in same and same["prompt"] == "p"
