@@ -399,3 +399,16 @@ def test_compare_refuses_what_it_cannot_compare(fake_server, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["compare", *argv, "--out", str(tmp_path / "cmp")])
         assert message in capsys.readouterr().err
+
+
+def test_guided_bench_runs_schema_and_plain_twins_of_equal_length(tiny_llama, tmp_path):
+    import json
+
+    from loadtest.guided_bench import main
+
+    out = tmp_path / "g.json"
+    assert main(["--model", tiny_llama, "--num-requests", "2", "--max-tokens", "40", "--rounds", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["result"]
+    assert result["output_tokens"] > 0 and len(result["round_ratios"]) == 1
+    assert result["ratio"] == result["round_ratios"][0] > 0
