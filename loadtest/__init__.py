@@ -1,4 +1,4 @@
-"""Benchmarks of the serving system (see docs in /work/shared/BENCHMARKS.md).
+"""Benchmarks of the serving system (method: docs/benchmarks.md, "How we measure").
 
     python -m loadtest.offline     CPU offline throughput against HF static batching
     python -m loadtest.gpu_bench   GPU workloads A and B against HF static and continuous batching

@@ -1,4 +1,4 @@
-"""GPU offline throughput: BENCHMARKS.md workloads A and B against HF static and continuous batching.
+"""GPU offline throughput: docs/benchmarks.md workloads A and B against HF static and continuous batching.
 
     python -m loadtest.gpu_bench [--workload A|B|both] [--num-requests 256] [--quick]
                                  [--peers ours,hf_static,hf_cb] [--hf-batch-sizes 128,64]

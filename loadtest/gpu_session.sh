@@ -4,7 +4,7 @@
 #   bash loadtest/gpu_session.sh kernels   # Triton kernel benchmark (decode: split vs unsplit vs torch)
 #   bash loadtest/gpu_session.sh kernel-tests  # the kernel tests alone, natively (split-KV + graphs)
 #   bash loadtest/gpu_session.sh kernel-sweep [KNOB ...]  # launch-knob sweep for Hopper tuning
-#   bash loadtest/gpu_session.sh A         # BENCHMARKS.md workload A (Qwen3-0.6B shape)
+#   bash loadtest/gpu_session.sh A         # docs/benchmarks.md workload A (Qwen3-0.6B shape)
 #   bash loadtest/gpu_session.sh B         # workload B (Llama-3.1-8B shape)
 #   bash loadtest/gpu_session.sh smoke     # A, 32 short requests: checks every peer runs
 #   bash loadtest/gpu_session.sh overlap   # issue 9: A with and without overlapped scheduling

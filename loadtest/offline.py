@@ -3,7 +3,7 @@
     python -m loadtest.offline [--num-requests 64] [--seed 0] [--skip-hf] [--quick]
     python -m loadtest.offline --model models/smollm2-135m-instruct    # a real checkpoint (HF dir or GGUF)
 
-BENCHMARKS.md "CPU, offline throughput": 64 requests, prompts of random ids with
+docs/benchmarks.md "CPU, offline throughput": 64 requests, prompts of random ids with
 length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
 The figure is useful output tokens per second of wall time, model loading
 excluded, one warm-up before. The peer is HF `generate` at its best static

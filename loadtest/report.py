@@ -42,7 +42,7 @@ def git_commit(repo: Path | None = None) -> str:
 
 
 def base_metadata(argv: list[str]) -> dict:
-    """Date, commit, command and host: BENCHMARKS.md wants all four with every figure.
+    """Date, commit, command and host: docs/benchmarks.md wants all four with every figure.
     The load average says how busy the host was (taken at the end of a run)."""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "command": " ".join(argv),

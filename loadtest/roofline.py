@@ -145,7 +145,7 @@ def decode_limit_seconds(shape: ModelShape, lengths: list[tuple[int, int]],
 
 def gpu_limit_seconds(shape: ModelShape, lengths: list[tuple[int, int]],
                       bandwidth: float, flop_rate: float) -> dict[str, float]:
-    """BENCHMARKS.md's GPU limit: prefill FLOPs at the matmul rate plus the decode steps."""
+    """docs/benchmarks.md's GPU limit: prefill FLOPs at the matmul rate plus the decode steps."""
     prefill = sum(prefill_flops(shape, p) for p, _ in lengths) / flop_rate
     decode = decode_limit_seconds(shape, lengths, bandwidth, flop_rate)
     return {"prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode}

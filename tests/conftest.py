@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random-weight HF checkpoints built on the fly, and the KV-leak check."""
+"""Shared fixtures: tiny random-weight HF checkpoints built on the fly.
+
+KV leaks are checked where engines run, not here: engine tests call
+`BlockManager.check_no_leak()` after their requests, and the Serve fault tests
+(tests/test_serve_faults.py) wait for the replica's stats to be at rest (0 running,
+0 waiting, KV usage 0) after bursts and dropped clients."""
 import os
 
 import torch

@@ -31,7 +31,7 @@ def test_offline_workload_is_deterministic_and_in_range():
     assert all(16 <= len(r.prompt_token_ids) <= 256 and 16 <= r.max_tokens <= 128 for r in a)
     assert all(3 <= t < 4032 for r in a for t in r.prompt_token_ids)  # no special ids 0..2
     assert num_useful_tokens(a) == sum(r.max_tokens for r in a)
-    # Both ends of a range are reachable: it is closed, as BENCHMARKS.md writes it.
+    # Both ends of a range are reachable: it is closed, as docs/benchmarks.md writes it.
     lengths = {r.max_tokens for r in make_offline_workload(500, 0, 100, (1, 1), (1, 3))}
     assert lengths == {1, 2, 3}
 
