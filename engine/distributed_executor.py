@@ -183,9 +183,6 @@ class MultiprocExecutor:
         if callback is not None:
             callback(self._error)
 
-    def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
-        return self.collect(self.sample(self.forward(scheduler_output), allowed_token_bitmask))
-
     def forward(self, scheduler_output: SchedulerOutput):
         # Workers replay the host-side ModelInput, so the engine never overlaps TP steps
         # (a decode input still on rank 0's device would not reach them).

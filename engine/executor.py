@@ -17,9 +17,6 @@ class UniprocExecutor:
         self.runner = ModelRunner(config, model_config, model_path, eos_token_ids)
         self.num_kv_blocks = self.runner.num_kv_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output, allowed_token_bitmask)
-
     # The step in three launches, for overlapped scheduling (see ModelRunner.forward).
     def forward(self, scheduler_output: SchedulerOutput) -> StepHandle:
         return self.runner.forward(scheduler_output)

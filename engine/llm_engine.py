@@ -160,6 +160,8 @@ class LLMEngine:
         return self._process_updates(updated)
 
     def _record_scheduled(self, sched_out) -> None:
+        if not self.stats_log.enabled:  # queue times are only read by an enabled StatsLog
+            return
         now = time.monotonic()
         self.stats_log.on_step(sched_out.total_num_scheduled_tokens)
         for seq in sched_out.seqs:

@@ -170,13 +170,8 @@ class ModelRunner:
             layer.v_cache = allocate_kv_tensor(shape, self.dtype, self.device)
 
     # -- one step ------------------------------------------------------------
-    # execute_model = collect(sample(forward(...))). The engine calls the three apart to overlap
-    # steps: step N+1's forward is launched before step N's tokens are read back (collect).
-    @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput, allowed_token_bitmask=None) -> ModelRunnerOutput:
-        """Rank 0's step: build inputs, run the model, sample, wait for the tokens."""
-        return self.collect(self.sample(self.forward(scheduler_output), allowed_token_bitmask))
-
+    # A step is collect(sample(forward(...))), called apart so steps can overlap: step N+1's
+    # forward is launched before step N's tokens are read back (collect).
     @torch.inference_mode()
     def forward(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Launch the forward; the handle holds its logits (on the device)."""
