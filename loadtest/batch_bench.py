@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -62,7 +63,7 @@ def run_batch(model: str, src: str, out: str, max_tokens: int, batch_size: int):
     return summary, [rows[i] for i in range(len(rows))]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the bench preset, built here)")
     p.add_argument("--num-rows", type=int, default=1024)
@@ -71,11 +72,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="64 rows, 16 tokens: a smoke run")
-    p.add_argument("--out", default="loadtest/results/batch_bench.json")
+    p.add_argument("--out", default="bench_out/batch_bench.json")
     args = p.parse_args(argv)
+    for name in ("num_rows", "input_words", "max_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.quick:
         args.num_rows, args.max_tokens = 64, 16
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="batch-bench-"))
+    try:
+        return run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the bench model and the job's shards
+
+
+def run(args: argparse.Namespace, work: Path) -> int:
     model = args.model
     if model is None:
         from engine.tiny_model import make_tiny_model

@@ -412,3 +412,13 @@ def test_guided_bench_runs_schema_and_plain_twins_of_equal_length(tiny_llama, tm
     result = json.loads(out.read_text())["result"]
     assert result["output_tokens"] > 0 and len(result["round_ratios"]) == 1
     assert result["ratio"] == result["round_ratios"][0] > 0
+
+
+@pytest.mark.parametrize("flag", ["--num-rows", "--input-words", "--max-tokens", "--batch-size"])
+def test_batch_bench_refuses_non_positive_sizes(flag, capsys):
+    from loadtest.batch_bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args([flag, "0"])
+    assert f"{flag}=0 must be >= 1" in capsys.readouterr().err
+    assert parse_args(["--quick"]).num_rows == 64
