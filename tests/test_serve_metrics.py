@@ -50,15 +50,17 @@ def test_ingress_series():
     m.observe_batch([0.0, 0.0, 0.0])
     r = m.request(json_mode=True)
     r.chunk("engine", 4)
+    r.chunk("engine", 0)
+    assert rec.value("p_stream_messages", hop="engine") == 0  # per-request totals land when it ends
     r.ttft(0.05)
     r.guardrail_outcomes([("retried", "schema"), ("passed", "none")])
     r.finished(499, 1.0)
     r.finished(200, 1.0)  # recorded once
     assert rec.observed("p_ingress_batch_size") == [3] and len(rec.observed("p_ingress_batch_wait_seconds")) == 3
-    assert rec.observed("p_stream_chunk_tokens", hop="engine") == [4]
+    assert rec.observed("p_stream_chunk_tokens", hop="engine") == [4, 0]
     # exact totals beside the histograms (Ray exports a histogram's _sum from bucket midpoints)
     assert rec.value("p_ingress_batches") == 1 and rec.value("p_ingress_batched_requests") == 3
-    assert rec.value("p_stream_messages", hop="engine") == 1 and rec.value("p_stream_tokens", hop="engine") == 4
+    assert rec.value("p_stream_messages", hop="engine") == 2 and rec.value("p_stream_tokens", hop="engine") == 4
     assert rec.value("p_requests", status="499") == 1 and rec.value("p_requests", status="200") == 0
     assert rec.value("p_guardrail_outcomes", outcome="cancelled", reason="client_gone") == 1
     assert rec.value("p_guardrail_outcomes", outcome="retried", reason="schema") == 1
