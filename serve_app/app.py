@@ -9,12 +9,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from ray import serve
 
-from serve_app.args import AppArgs, parse_app_args
+from serve_app.args import AppArgs, resolve_app_args
 from serve_app.engine_deployment import EngineDeployment
 from serve_app.guardrails import Guardrails
 from serve_app.ingress import Ingress
@@ -27,10 +26,7 @@ BATCH_AFFINITY_ROUTER = "serve_app.routing.BatchAffinityRouter"
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Validate `args` (a bad one raises ValueError naming it) and bind the three deployments."""
-    a = parse_app_args(args)
-    a = _absolute_model_paths(a)
-    if a.check_model_at_build:
-        check_model(a)
+    a = resolve_app_args(args)
     device = resolve_device(a.device)
     engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)
     guardrails = Guardrails.options(
@@ -72,30 +68,3 @@ def ingress_options(a: AppArgs) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": 0},
         "graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
     }
-
-
-def check_model(a: AppArgs) -> None:
-    """Fail at build time, naming the arg, when the checkpoint is missing or of an unsupported kind."""
-    from engine.config import ModelConfig
-    from engine.model_path import resolve_model_path
-
-    try:
-        ModelConfig.from_pretrained(resolve_model_path(a.model))
-        if a.tokenizer:
-            resolve_model_path(a.tokenizer)
-    except ValueError as e:
-        raise ValueError(f"invalid application args: model={a.model!r}: {e}") from None
-
-
-def _absolute_model_paths(a: AppArgs) -> AppArgs:
-    """`models/tiny-llama` means relative to where `serve run` was started, not to a worker's cwd."""
-    updates = {}
-    for name in ("model", "tokenizer"):
-        value = getattr(a, name)
-        if value and not os.path.isabs(value) and os.path.isdir(value):
-            updates[name] = os.path.abspath(value)
-    if not updates:
-        return a
-    if a.served_model_name is None:
-        updates["served_model_name"] = a.model_name
-    return a.model_copy(update=updates)

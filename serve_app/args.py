@@ -3,16 +3,22 @@
 They come from `deploy/config.yaml` (`applications[].args`) or from the command line
 (`serve run serve_app.app:build_app model=... max_batch_size=8`), where every value
 arrives as a string: pydantic's lax mode turns "8" into 8 and "true" into True.
+
+One declaration per knob: the engine's are `EngineConfig`'s fields (engine/config.py), taken
+here by name, type and default; the live knobs' initial values are `BatchingConfig`'s and
+`StreamingConfig`'s fields below. `AppArgs` declares only what is the app's own.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from serve_app.guardrail_policy import GuardrailPolicy
 
 STREAM_INTERVAL_MS = 20.0
@@ -45,38 +51,52 @@ class StreamingConfig(BaseModel):
     stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=1000.0)
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+def _engine_fields() -> dict[str, Any]:
+    """Every `EngineConfig` field as a pydantic field: its name, type and default, as the engine
+    declares them. The values are checked by the engine itself (`EngineConfig.__post_init__`, run
+    by `parse_app_args`), so a knob added to the engine is an app arg with no edit here."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = Field(default_factory=f.default_factory)
+        else:
+            default = ...
+        fields[f.name] = (hints[f.name], default)
+    return fields
 
-    # -- the model and the engine (one AsyncLLM per EngineDeployment replica) --
+
+def _fields_of(model: type[BaseModel]) -> dict[str, Any]:
+    """A pydantic model's fields (default, bounds and all), to declare again in another model."""
+    return {name: (info.annotation, info) for name, info in model.model_fields.items()}
+
+
+# The args declared elsewhere, once: the engine's knobs (EngineConfig) and the initial values of
+# the live knobs (BatchingConfig for the Ingress, StreamingConfig for the engine replica).
+_DeclaredElsewhere = create_model(
+    "_DeclaredElsewhere", __config__=ConfigDict(extra="forbid", protected_namespaces=()),
+    **_engine_fields(), **_fields_of(BatchingConfig), **_fields_of(StreamingConfig))
+
+
+class AppArgs(_DeclaredElsewhere):
+    """The flat `args` of the app: every `EngineConfig` field, `BatchingConfig`'s and
+    `StreamingConfig`'s fields, and the app's own below."""
+
+    # -- engine fields the app treats differently from the engine --
+    # Non-empty: "" would fail only where a replica loads it (check_model_at_build may be off).
     model: str = Field(min_length=1)
-    served_model_name: str | None = None  # None: the model path's last component
-    tokenizer: str | None = None
+    # Checked here, not by the engine, which parse_app_args runs on "cpu": the node that builds
+    # the app may lack the engine nodes' device. 'auto' is resolved from the Ray cluster's
+    # resources at build_app (serve_app.placement.resolve_device), not on a replica.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    block_size: int = Field(16, ge=8)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    cpu_kv_cache_gb: float = Field(4.0, gt=0.0)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    attention_backend: Literal["auto", "triton", "torch"] = "auto"
-    seed: int = 0
-    async_scheduling: bool | None = None  # None: on for CUDA with tensor_parallel_size 1
+
+    # -- the model as served --
+    served_model_name: str | None = None  # None: the model path's last component
     # Check at build_app that the checkpoint exists and is supported. Turn off where the node
     # that builds the app (the head) cannot see the checkpoint that the engine nodes load.
     check_model_at_build: bool = True
-
-    # -- micro-batching in the Ingress (initial values; user_config can change them live) --
-    max_batch_size: int = Field(8, ge=1)
-    batch_wait_timeout_s: float = Field(0.0, ge=0.0, le=10.0)
-
-    # -- chunked streaming out of the engine replica (user_config can change it live) --
-    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=1000.0)
 
     # -- replicas, autoscaling and load shedding --
     min_replicas: int = Field(1, ge=0)
@@ -95,7 +115,6 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     engine_max_ongoing_requests: int | None = Field(None, ge=1)  # None: 2 * max_num_seqs
     max_queued_requests: int = Field(-1, ge=-1)  # per caller of the engine; -1: unbounded
-    max_pending_requests: int | None = Field(None, ge=0)
     retry_after_s: int = Field(1, ge=0)
     engine_num_cpus: float = Field(1.0, ge=0.0)
     # torch threads of a CPU engine replica (split over its TP ranks). Ray sets OMP_NUM_THREADS
@@ -142,15 +161,9 @@ class AppArgs(BaseModel):
         return self.served_model_name or os.path.basename(os.path.normpath(self.model)) or self.model
 
     def engine_config(self, device: str) -> EngineConfig:
-        """The EngineConfig for one replica (plain values; touches no disk)."""
-        return EngineConfig(
-            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=device,
-            tensor_parallel_size=self.tensor_parallel_size, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-            gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_cache_gb=self.cpu_kv_cache_gb,
-            enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend, seed=self.seed, async_scheduling=self.async_scheduling)
+        """The EngineConfig for one replica on `device` (resolved from 'auto'); touches no disk."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{**values, "device": device})
 
     def autoscaling_config(self) -> dict[str, Any]:
         """The engine deployment's Serve autoscaling_config."""
@@ -163,24 +176,57 @@ class AppArgs(BaseModel):
         return config
 
     def streaming(self) -> StreamingConfig:
-        return StreamingConfig(stream_interval_ms=self.stream_interval_ms)
+        return StreamingConfig(**self.model_dump(include=set(StreamingConfig.model_fields)))
 
     def batching(self) -> BatchingConfig:
-        return BatchingConfig(max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
-                              max_pending_requests=self.max_pending_requests)
+        return BatchingConfig(**self.model_dump(include=set(BatchingConfig.model_fields)))
 
 
 def parse_app_args(args: dict[str, Any] | None) -> AppArgs:
     """Validate `args`; a bad one fails here, at start, with a message naming it."""
     try:
         parsed = AppArgs.model_validate(dict(args or {}))
-        parsed.engine_config("cpu")  # the engine's own checks (block_size multiple of 8, ...)
+        parsed.engine_config("cpu")  # the engine's own checks of its fields (block_size multiple of 8, ...)
     except ValidationError as e:
         raise ValueError("invalid application args: " + describe_validation_error(e)) from None
     except ValueError as e:
         raise ValueError(f"invalid application args: {e}") from None
     return parsed
 
+
+def resolve_app_args(args: dict[str, Any] | None) -> AppArgs:
+    """`parse_app_args`, then what needs the disk of the node that builds the app (`build_app`):
+    relative model paths made absolute, and the checkpoint checked unless check_model_at_build=False."""
+    a = _absolute_model_paths(parse_app_args(args))
+    if a.check_model_at_build:
+        check_model(a)
+    return a
+
+
+def check_model(a: AppArgs) -> None:
+    """Fail at build time, naming the arg, when the checkpoint is missing or of an unsupported kind."""
+    from engine.model_path import resolve_model_path  # huggingface_hub: only where the app is built
+
+    try:
+        ModelConfig.from_pretrained(resolve_model_path(a.model))
+        if a.tokenizer:
+            resolve_model_path(a.tokenizer)
+    except ValueError as e:
+        raise ValueError(f"invalid application args: model={a.model!r}: {e}") from None
+
+
+def _absolute_model_paths(a: AppArgs) -> AppArgs:
+    """`models/tiny-llama` means relative to where `serve run` was started, not to a worker's cwd."""
+    updates = {}
+    for name in ("model", "tokenizer"):
+        value = getattr(a, name)
+        if value and not os.path.isabs(value) and os.path.isdir(value):
+            updates[name] = os.path.abspath(value)
+    if not updates:
+        return a
+    if a.served_model_name is None:
+        updates["served_model_name"] = a.model_name
+    return a.model_copy(update=updates)
 
 def describe_validation_error(e: ValidationError) -> str:
     """One line per problem, each naming the field: `max_batch_size=0: Input should be >= 1`."""
