@@ -115,3 +115,70 @@ def test_cpu_threads_split_over_tp_ranks(monkeypatch):
         assert use_cpu_threads(1, tensor_parallel_size=4) == 1
     finally:
         torch.set_num_threads(before)
+
+
+# One non-default, valid value per EngineConfig field: each must reach the engine from the app's args.
+ENGINE_VALUES = {
+    "model": "some/model", "tokenizer": "some/tokenizer", "dtype": "float32", "device": "cpu",
+    "tensor_parallel_size": 2, "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
+    "block_size": 32, "num_kv_blocks": 64, "gpu_memory_utilization": 0.5, "cpu_kv_cache_gb": 1.5,
+    "enable_prefix_caching": False, "enforce_eager": True, "attention_backend": "torch", "seed": 7,
+    "async_scheduling": False, "distributed_init_method": "tcp://127.0.0.1:29555", "worker_start_timeout_s": 30.0,
+}
+
+
+def test_every_engine_field_is_an_app_arg_given_as_a_string():
+    """The engine's knobs are declared once (EngineConfig); the app takes each by name, from strings."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+
+    fields = dataclasses.fields(EngineConfig)
+    assert {f.name for f in fields} == set(ENGINE_VALUES), "give the new EngineConfig field a value here"
+    a = parse_app_args({name: str(value) for name, value in ENGINE_VALUES.items()})  # as `serve run k=v` sends
+    config = a.engine_config(a.device)
+    for f in fields:
+        assert getattr(config, f.name) == ENGINE_VALUES[f.name], f.name
+        assert getattr(config, f.name) != f.default, f"{f.name}: pick a non-default value"
+
+
+@pytest.mark.parametrize("name,value", [
+    ("block_size", "12"), ("gpu_memory_utilization", "1.5"), ("cpu_kv_cache_gb", "0"), ("max_model_len", "0"),
+    ("max_num_batched_tokens", "-1"), ("num_kv_blocks", "0"), ("attention_backend", "cudnn"),
+    ("worker_start_timeout_s", "0"), ("enforce_eager", "sometimes"), ("seed", "1.5"),
+])
+def test_bad_engine_value_fails_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=f"^invalid application args: {name}="):
+        parse_app_args({"model": "m", name: value})
+
+
+def test_engine_relations_are_the_engines_checks():
+    with pytest.raises(ValueError, match="invalid application args: async_scheduling=True is not supported"):
+        parse_app_args({"model": "m", "tensor_parallel_size": "2", "async_scheduling": "true"})
+
+
+def test_live_knobs_start_from_the_args():
+    """max_batch_size & co. are BatchingConfig's fields, stream_interval_ms StreamingConfig's: same bounds."""
+    from serve_app.args import BatchingConfig, StreamingConfig
+
+    a = parse_app_args({"model": "m", "max_batch_size": "3", "batch_wait_timeout_s": "0.5",
+                        "max_pending_requests": "9", "stream_interval_ms": "5"})
+    assert a.batching() == BatchingConfig(max_batch_size=3, batch_wait_timeout_s=0.5, max_pending_requests=9)
+    assert a.streaming() == StreamingConfig(stream_interval_ms=5.0)
+    assert parse_app_args({"model": "m"}).batching() == BatchingConfig()
+    assert parse_app_args({"model": "m"}).streaming() == StreamingConfig()
+    for name, value in [("batch_wait_timeout_s", 11), ("max_pending_requests", -1), ("stream_interval_ms", 1001)]:
+        with pytest.raises(ValueError, match=f"{name}="):
+            parse_app_args({"model": "m", name: value})
+
+
+def test_relative_model_path_is_made_absolute_where_the_app_is_built(tiny_llama, monkeypatch):
+    from serve_app.args import resolve_app_args
+
+    parent, name = os.path.split(tiny_llama)
+    monkeypatch.chdir(parent)  # as `serve run` started beside the model directory
+    a = resolve_app_args({"model": name})
+    assert a.model == tiny_llama and a.model_name == name  # a replica's cwd no longer matters
+    with pytest.raises(ValueError, match="model='nope'"):
+        resolve_app_args({"model": "nope"})
+    assert resolve_app_args({"model": "nope", "check_model_at_build": False}).model == "nope"
