@@ -116,7 +116,11 @@ def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
 
 @dataclass
 class EngineConfig:
-    """Engine knobs, as vLLM names them. `model` is a local directory (or a hub id resolved by the loader)."""
+    """Engine knobs, as vLLM names them. `model` is a local directory (or a hub id resolved by the loader).
+
+    Each field is also an arg of the Serve app under its name (serve_app/args.py reads them), so a
+    new knob needs a type pydantic can parse from a string and its check in __post_init__.
+    """
 
     model: str
     tokenizer: str | None = None
