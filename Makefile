@@ -27,15 +27,15 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 $(DEMO_GGUF): | setup
-	$(BIN)/python -m engine.demo_model --out models
+	$(BIN)/python -m engine.tools.demo_model --out models
 
 $(TINY_MODEL)/config.json: | setup
-	$(BIN)/python -m engine.tiny_model --out $(TINY_MODEL)
+	$(BIN)/python -m engine.tools.tiny_model --out $(TINY_MODEL)
 
 tiny-model: $(TINY_MODEL)/config.json
 
 demo: setup $(DEMO_GGUF)
-	$(BIN)/python -m engine.demo --model $(DEMO_MODEL)
+	$(BIN)/python -m engine.tools.demo --model $(DEMO_MODEL)
 
 serve: setup $(DEMO_GGUF)
 	$(SERVE_ENV) $(BIN)/serve run deploy/config.yaml

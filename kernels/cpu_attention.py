@@ -27,9 +27,9 @@ from kernels.torch_attention import (paged_attention_torch, prefill_cached, pref
                                      store_kv_torch)
 
 _LIB_NAME = "cpu_paged_attention"
-# Chunks with more query rows run as SDPA instead: there a matmul beats the kernel's
-# per-row loop (one kernel call, 8 heads, 4 kv heads, D 64, 2-core AVX-512 host:
-# q_len 16 over 216 keys 0.5 ms vs SDPA 0.9 ms; q_len 100 over 250 keys 2.8 ms vs 2.2 ms).
+# Chunks with more query rows run as SDPA instead, where one matmul over the chunk beats
+# the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench` times both either side
+# of this limit (docs/benchmarks.md, "CPU kernels", which also says where the limit stands).
 KERNEL_MAX_Q_LEN = 32
 # Return codes of rayllm_paged_attention_f32 (cpu_paged_attention.c).
 _ERRORS = {

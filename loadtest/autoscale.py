@@ -183,7 +183,7 @@ def _run_levels(url: str, levels: list[OnlineConfig], sampler: Sampler) -> dict:
 
 
 def _tiny_model() -> str:
-    from engine.tiny_model import make_tiny_model
+    from engine.tools.tiny_model import make_tiny_model
 
     path = Path("bench_out/tiny-llama")
     if not (path / "config.json").exists():

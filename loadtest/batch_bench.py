@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, work: Path) -> int:
     model = args.model
     if model is None:
-        from engine.tiny_model import make_tiny_model
+        from engine.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(work / "model", preset="bench", seed=0))
     prompts = make_word_prompts(args.num_rows, args.input_words, args.seed)
     src = work / "in.jsonl"

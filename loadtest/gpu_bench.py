@@ -28,7 +28,7 @@ from loadtest.workload import BenchRequest, make_offline_workload, num_useful_to
 @dataclass(frozen=True)
 class Workload:
     name: str
-    preset: str                    # engine.tiny_model preset of the random-weight checkpoint
+    preset: str                    # engine.tools.tiny_model preset of the random-weight checkpoint
     prompt_len: tuple[int, int]    # closed range, uniform
     output_len: tuple[int, int]
     note: str = ""
@@ -56,7 +56,7 @@ def workload_requests(workload: Workload, num_requests: int, seed: int, vocab_si
 def ensure_checkpoint(cache_dir: Path, preset: str) -> Path:
     path = cache_dir / f"model-{preset}"
     if not (path / "config.json").is_file():
-        from engine.tiny_model import make_tiny_model
+        from engine.tools.tiny_model import make_tiny_model
 
         make_tiny_model(path, preset=preset, seed=0)
     return path

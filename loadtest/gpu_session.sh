@@ -51,19 +51,19 @@ case "$stage" in
     python3 -m loadtest.gpu_bench --workload A --peers ours,ours_sync --out "$out/gpu_bench_overlap.json" \
       2>&1 | tee "$out/gpu_bench_overlap.log" ;;
   guided)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
     for n in 32 256; do
       python3 -m loadtest.guided_bench --device cuda --model /tmp/qwen3-0.6b --num-requests $n \
         --out "$out/guided_bench_$n.json" 2>&1 | tee "$out/guided_bench_$n.log"
     done ;;
   profile)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
     python3 -m loadtest.step_profile --device cuda --model /tmp/qwen3-0.6b --num-seqs 256 --prompt-len 512 \
       --out "$out/step_profile.json" 2>&1 | tee "$out/step_profile.log" ;;
   overhead)
     # The Serve path runs first: its replica is a separate process, so the driver's engines
     # that follow find the GPU memory free again.
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
     python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
       --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
       --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;

@@ -11,7 +11,7 @@ grammar-constrained decoding costs. Rates are the best of `--rounds` per side;
 the ratio is the median of the rounds' ratios (each round's two runs are back
 to back, so a noisy neighbour moves both). Model loading and one warm-up round
 excluded. Default model: the CPU bench model
-(loadtest.offline); on a GPU pass the Qwen3-0.6B shape from engine.tiny_model.
+(loadtest.offline); on a GPU pass the Qwen3-0.6B shape from engine.tools.tiny_model.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def progress(message: str) -> None:
 def ensure_bench_model(cache_dir: Path) -> Path:
     """The bench checkpoint, built once into `cache_dir` (a config.json marks it complete)."""
     if not (cache_dir / "config.json").is_file():
-        from engine.tiny_model import make_tiny_model
+        from engine.tools.tiny_model import make_tiny_model
 
         make_tiny_model(cache_dir, arch="llama", preset="bench", seed=0)
     return cache_dir

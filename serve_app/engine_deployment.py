@@ -140,8 +140,6 @@ async def _to_items(outputs: AsyncIterator[RequestOutput], owner: EngineDeployme
                 item = to_stream_item(out)
                 if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
                     item.error = StreamError("unavailable", SHUTDOWN_MESSAGE)
-                if out.finished:
-                    item.stats = await owner.get_stats()
                 yield item
     except Exception as e:  # noqa: BLE001 - every failure ends the stream with an error item
         yield StreamItem(finished=True, error=owner.failure(e))

@@ -100,7 +100,6 @@ class GuardedRequest:
         self._targets: list[int] = []          # the attempt's completion j -> choice self._targets[j]
         self._num_prompt_tokens = 0            # of the first attempt: the client's usage
         self._num_cached_tokens = 0
-        self._stats: dict | None = None        # the latest engine stats, for the Ingress's gauges
 
     # -- driving the attempts ----------------------------------------------------------
     def next_attempt(self) -> EngineRequest | None:
@@ -129,7 +128,6 @@ class GuardedRequest:
         """
         if self._attempt == 0 and item.num_prompt_tokens:
             self._num_prompt_tokens, self._num_cached_tokens = item.num_prompt_tokens, item.num_cached_tokens
-        self._stats = item.stats or self._stats
         if item.error is not None:  # the engine's failure (a refused schema, shutdown): not ours to retry
             return self._finish(error=_tag_schema_refusal(item.error))
         deltas = []
@@ -207,7 +205,7 @@ class GuardedRequest:
         self.done = True
         return StreamItem(deltas=deltas or [], num_prompt_tokens=self._num_prompt_tokens,
                           num_cached_tokens=self._num_cached_tokens, finished=True, error=error,
-                          stats=self._stats, guardrail_outcomes=list(self.outcomes))
+                          guardrail_outcomes=list(self.outcomes))
 
 
 def _tag_schema_refusal(error: StreamError) -> StreamError:

@@ -51,7 +51,6 @@ class StreamItem:
     prompt_logprobs: list[list[TokenLogprob]] | None = None
     finished: bool = False        # the last item of the request
     error: "StreamError | None" = None  # set on the last item when the request failed
-    stats: dict | None = None     # the replica's engine stats, on the last item (for /metrics)
     # (outcome, reason) of each guardrail validation of this request, on the last item (for /metrics)
     guardrail_outcomes: list[tuple[str, str]] | None = None
 

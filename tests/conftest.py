@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine.tiny_model import make_tiny_model  # noqa: E402
+from engine.tools.tiny_model import make_tiny_model  # noqa: E402
 
 
 def _build(tmp_path_factory, arch: str, **kw):

@@ -1,7 +1,7 @@
 """Incremental detokenizer: streamed text equals a full decode; stop strings cut and never leak.
 
 The tokenizer is a small byte-level BPE trained here in milliseconds (the same
-kind as `engine.tiny_model` writes, whose full build takes far longer). Its
+kind as `engine.tools.tiny_model` writes, whose full build takes far longer). Its
 vocabulary is small, so characters like 日, 🙂 and é are split over tokens.
 """
 import random

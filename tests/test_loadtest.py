@@ -264,7 +264,7 @@ def _engine_importable() -> bool:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from engine.tiny_model import make_tiny_model
+    from engine.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
 

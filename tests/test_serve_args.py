@@ -91,8 +91,8 @@ def test_deploy_config_is_a_valid_serve_config():
     (app,) = schema.applications
     assert app.import_path == "serve_app.app:build_app" and app.route_prefix == "/"
     assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8000
-    from engine.demo_model import MODEL_NAME
-    # the demo model where `make serve` fetches it (engine.demo_model), under its own name
+    from engine.tools.demo_model import MODEL_NAME
+    # the demo model where `make serve` fetches it (engine.tools.demo_model), under its own name
     assert app.args["model"] == f"models/{MODEL_NAME}" and app.args["served_model_name"] == MODEL_NAME
     parse_app_args(app.args)  # the args themselves are valid
     assert GuardrailPolicy.from_args(app.args["guardrails"]) == GuardrailPolicy()  # the defaults, spelled out

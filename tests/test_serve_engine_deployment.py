@@ -78,10 +78,10 @@ def _output(text, finish=None, finished=False):
     return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, [3], finish_reason=finish)], finished=finished)
 
 
-def test_generate_streams_and_ends_with_stats():
+def test_generate_streams_and_ends_with_a_finished_item():
     items = _run(_deployment(FakeLLM([_output("a"), _output("b", "length", True)])))
     assert "".join(d.text for i in items for d in i.deltas) == "ab"
-    assert items[-1].finished and items[-1].stats["replica"] == "test" and items[-1].error is None
+    assert items[-1].finished and items[-1].error is None
 
 
 def test_replica_records_the_engine_stats_while_serving():

@@ -118,7 +118,7 @@ def _engine_request(n=1, seed=5, schema=UNIQUE):
 
 
 def _finished(*deltas):
-    return StreamItem(deltas=list(deltas), num_prompt_tokens=2, finished=True, stats={"replica": "e"})
+    return StreamItem(deltas=list(deltas), num_prompt_tokens=2, finished=True)
 
 
 def test_guard_retries_the_failing_choice_on_the_engine():
@@ -130,7 +130,7 @@ def test_guard_retries_the_failing_choice_on_the_engine():
         ("r", 2, 5), ("r-retry1", 1, attempt_seed(5, 1))]
     assert all(r.batch_id == "b" for r in engine.requests)  # the same engine replica: a prefix-cache hit
     assert [[(d.index, d.text) for d in i.deltas] for i in items] == [[(0, "[true,false]")], [(1, "[false,true]")]]
-    assert items[-1].finished and items[-1].stats == {"replica": "e"}
+    assert items[-1].finished
     assert items[-1].guardrail_outcomes == [("passed", "none"), ("retried", "schema"), ("passed", "none")]
 
 

@@ -1,4 +1,4 @@
-"""engine.tiny_model: random checkpoints that HF transformers loads, built deterministically.
+"""engine.tools.tiny_model: random checkpoints that HF transformers loads, built deterministically.
 
 Uses the session fixtures tiny_llama / tiny_qwen2 / tiny_qwen3 from conftest
 (shared with the engine tests) and builds mistral and the odd variants here.
@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tiny_model import main, make_tiny_model
+from engine.tools.tiny_model import main, make_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -4,9 +4,9 @@
 into its panel layout each time; at decode-sized batches (a few to a few
 hundred rows, weights streamed from memory) that repacking is a large part of
 the time. oneDNN's inner-product primitive takes a weight reordered once, at
-load, into its blocked layout, and works for any number of rows. Measured on
-the bench model (all 24 linears of its 6 layers, weights cold, 2-core AVX-512
-host): 32 rows 20.4 -> 13.7 ms, 64 rows 28.7 -> 21.9 ms, 2048 rows the same.
+load, into its blocked layout, and works for any number of rows.
+`python -m loadtest.cpu_kernel_bench` times both on the bench model's 24 linears
+at decode and prefill row counts (docs/benchmarks.md, "CPU kernels").
 
 torch exposes this as the ops its inductor uses for frozen CPU graphs,
 `mkldnn._reorder_linear_weight` and `mkldnn._linear_pointwise`; where they are
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-# Row count the blocked layout is chosen for; the packed weight serves any count
-# (the bench model ran within noise for hints 16 .. 2048).
+# Row count the blocked layout is chosen for (a decode-sized batch); the packed
+# weight serves any count.
 _BATCH_HINT = 64
 
 

@@ -1,6 +1,6 @@
 """Micro-batching on vs off, same load, same app: what the Ingress's @serve.batch buys.
 
-    python -m serve_app.bench_batching --model models/tiny-llama --concurrency 32 --num-requests 256
+    python -m loadtest.microbatch_bench --model models/tiny-llama --concurrency 32 --num-requests 256
 
 Starts the app once, then alternates the Ingress between max_batch_size=1 (off) and the
 batching config (on) through reconfigure(), `--rounds` times each, so both modes see the

@@ -12,7 +12,7 @@ arch: llama | mistral | qwen2 | qwen3 (None: llama, or the preset's own arch).
 preset: tiny (tests) | bench (CPU benchmark, ~22M params) | qwen3-0.6b |
 llama-8b (bf16, real shapes, random weights, for GPU benchmarks).
 
-CLI: python -m engine.tiny_model --out DIR [--arch A] [--preset P] [--seed S]
+CLI: python -m engine.tools.tiny_model --out DIR [--arch A] [--preset P] [--seed S]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine._tiny_corpus import corpus_lines
+from engine.tools._tiny_corpus import corpus_lines
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

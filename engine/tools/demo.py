@@ -3,8 +3,8 @@
 A checkpoint with a chat template is asked questions through `LLM.chat`; one without
 (the tiny random model) continues plain prompts through `LLM.generate`.
 
-    python -m engine.demo --model models/smollm2-135m-instruct    # what `make demo` runs
-    python -m engine.demo --model models/tiny-llama --temperature 0.8
+    python -m engine.tools.demo --model models/smollm2-135m-instruct    # what `make demo` runs
+    python -m engine.tools.demo --model models/tiny-llama --temperature 0.8
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ carries the model file (98 MB, Q4_1; Llama architecture, ChatML template in its 
 fresh clone, CI's next run) costs no network; the GGUF is unzipped next to nothing else
 into `<out>/smollm2-135m-instruct/`, a directory holding one .gguf, which is a model path.
 
-    python -m engine.demo_model [--out models]      # prints the directory
+    python -m engine.tools.demo_model [--out models]      # prints the directory
 
 Deliberately free of the engine's imports (torch): `make serve` runs it on the HTTP side.
 """

@@ -1,4 +1,4 @@
-"""Built-in training text for the tiny BPE tokenizer in `engine.tiny_model`.
+"""Built-in training text for the tiny BPE tokenizer in `engine.tools.tiny_model`.
 
 Kept in its own module so the builder stays readable. The text only has to
 be varied (prose, code, JSON, numbers, non-ASCII) and *fixed*: the tokenizer

@@ -1,0 +1,116 @@
+"""CPU micro-benchmark of the two choices the engine's fp32 CPU path makes per call.
+
+    python -m loadtest.cpu_kernel_bench [--out bench_out/cpu_kernel_bench.json] [--repeats 15]
+
+- linear: the bench model's 24 linears (6 layers of qkv, o, gate_up, down; hidden 512,
+  8 / 4 KV heads, MLP 1408), one pass over all of them per timing so weights come from
+  memory as in a forward, through `F.linear` (MKL repacks the weight each call) against
+  oneDNN on weights packed once (engine.layers.cpu_gemm), at decode and prefill row counts.
+- attention: one chunk (8 heads, 4 KV heads, head_dim 64, block 16) through the C
+  paged-attention kernel against one SDPA over the gathered blocks
+  (kernels.torch_attention.prefill_cached), either side of KERNEL_MAX_Q_LEN, the q_len
+  up to which kernels/cpu_attention.py uses the kernel.
+
+Peers alternate within each repeat; times are medians. The ratio column (peer / ours,
+above 1: ours is faster) is the figure; absolute CPU times vary with the box.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.cpu_gemm import can_pack, pack, packed_linear
+from kernels.cpu_attention import KERNEL_MAX_Q_LEN, _kernel, run_kernel
+from kernels.torch_attention import prefill_cached
+from loadtest.report import base_metadata, format_table, write_json
+
+# [in, out] of one bench-model layer: qkv, o, gate_up, down.
+LAYER_SHAPES = [(512, 512 + 2 * 256), (512, 512), (512, 2 * 1408), (1408, 512)]
+NUM_LAYERS = 6
+LINEAR_ROWS = (32, 64, 2048)
+ATTENTION_CASES = ((16, 216), (KERNEL_MAX_Q_LEN, 240), (100, 250))  # (q_len, keys)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
+
+
+def _median_ms(fns: list, repeats: int) -> list[float]:
+    """Each fn timed once per repeat, the fns interleaved; one warm-up round first."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for t, fn in zip(times, fns):
+            start = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def linear_rows(repeats: int, gen: torch.Generator) -> list[dict]:
+    weights = [torch.randn(o, i, generator=gen) * i ** -0.5 for _ in range(NUM_LAYERS) for i, o in LAYER_SHAPES]
+    if not all(can_pack(w) for w in weights):
+        print("torch has no oneDNN linear ops: the engine runs F.linear; linear cases skipped")
+        return []
+    packed = [pack(w) for w in weights]
+    rows = []
+    for n in LINEAR_ROWS:
+        xs = {i: torch.randn(n, i, generator=gen) for i, _ in LAYER_SHAPES}
+        dense = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
+        onednn = lambda: [packed_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]  # noqa: E731
+        ours, peer = _median_ms([onednn, dense], repeats)
+        rows.append({"case": f"linear x{len(weights)}, {n} rows", "ours": "oneDNN packed", "ours_ms": ours,
+                     "peer": "F.linear", "peer_ms": peer, "ratio": peer / ours})
+    return rows
+
+
+def attention_rows(repeats: int, gen: torch.Generator) -> list[dict]:
+    fn = _kernel()
+    if fn is None:
+        print("the C attention kernel is not built (no compiler, or disabled): attention cases skipped")
+        return []
+    rows = []
+    for q_len, seq_len in ATTENTION_CASES:
+        num_blocks = -(-seq_len // BLOCK)
+        k_cache, v_cache = (torch.randn(num_blocks + 3, BLOCK, KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
+        table = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks].to(torch.int32)[None]
+        query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen)
+        seq_lens, cu = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([0, q_len], dtype=torch.int32)
+        out_k, out_s = torch.empty_like(query), torch.empty_like(query)
+        scale = HEAD_DIM ** -0.5
+        kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
+                                    q_len, False)
+        sdpa = lambda: prefill_cached(query, k_cache, v_cache, table[0], 0, q_len, seq_len, scale, out_s)  # noqa: E731
+        ours, peer = _median_ms([kernel, sdpa], repeats)
+        torch.testing.assert_close(out_k, out_s, rtol=1e-4, atol=1e-4)  # the same attention, two ways
+        used = "kernel" if q_len <= KERNEL_MAX_Q_LEN else "SDPA"
+        rows.append({"case": f"attention q_len {q_len} over {seq_len} keys (engine: {used})", "ours": "C kernel",
+                     "ours_ms": ours, "peer": "SDPA", "peer_ms": peer, "ratio": peer / ours})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.cpu_kernel_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_out/cpu_kernel_bench.json")
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds per case (default 15)")
+    ap.add_argument("--only", choices=("linear", "attention"), default=None, help="run one group of cases")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        rows = [] if args.only == "attention" else linear_rows(args.repeats, gen)
+        rows += [] if args.only == "linear" else attention_rows(args.repeats, gen)
+    report = {**base_metadata(sys.argv if argv is None else ["cpu_kernel_bench", *argv]),
+              "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows}
+    print(f"wrote {write_json(args.out, report)}")
+    print(format_table(["case", "ours", "ms", "peer", "ms", "peer / ours"],
+                       [[r["case"], r["ours"], r["ours_ms"], r["peer"], r["peer_ms"], r["ratio"]] for r in rows]))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""loadtest/cpu_kernel_bench.py: the cases it reports, each against its peer, and its JSON."""
+import json
+
+import pytest
+
+from kernels.cpu_attention import KERNEL_MAX_Q_LEN, kernel_available
+from loadtest import cpu_kernel_bench as ckb
+
+
+def test_attention_cases_straddle_the_kernel_limit(tmp_path, capsys):
+    if not kernel_available():
+        pytest.skip("the C attention kernel is not built here")
+    out = tmp_path / "b.json"
+    report = ckb.main(["--only", "attention", "--repeats", "1", "--out", str(out)])
+    rows = report["rows"]
+    # The kernel and SDPA computed the same attention (main checks), for chunks on both sides.
+    q_lens = [q for q, _ in ckb.ATTENTION_CASES]
+    assert min(q_lens) < KERNEL_MAX_Q_LEN < max(q_lens)
+    assert [r["peer"] for r in rows] == ["SDPA"] * len(q_lens)
+    assert all(r["ratio"] == pytest.approx(r["peer_ms"] / r["ours_ms"]) for r in rows)
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["git_commit"] and saved["machine"]["cpu_count"]
+    assert "peer / ours" in capsys.readouterr().out
+
+
+def test_linear_cases_cover_decode_and_prefill_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckb, "LINEAR_ROWS", (4, 64))  # the 2048-row case is slow for a test
+    rows = ckb.main(["--only", "linear", "--repeats", "1", "--out", str(tmp_path / "b.json")])["rows"]
+    if rows:  # empty only on a torch without oneDNN, which the bench says
+        assert [r["case"] for r in rows] == ["linear x24, 4 rows", "linear x24, 64 rows"]
+        assert all(r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
+
+
+def test_refuses_zero_repeats(capsys):
+    with pytest.raises(SystemExit):
+        ckb.main(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
