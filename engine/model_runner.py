@@ -24,7 +24,7 @@ from engine.layers.linear import LinearBase
 from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.outputs import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from engine.sampler import SampledTokens, Sampler, compute_prompt_logprobs
+from engine.sampler import SampledTokens, Sampler, compute_prompt_logprobs, to_device
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -217,33 +217,33 @@ class ModelRunner:
         if mi.prompt_logprob_rows:
             # [num_sample_rows + num_prompt_logprob_rows, vocab], in that order: only the rows that are
             # scored, never the whole chunk's (at most max_num_batched_tokens rows).
-            return self.model.compute_logits(hidden[self._to_device(mi.sample_rows + mi.prompt_logprob_rows,
-                                                                    torch.long)]).float()
+            rows = to_device(mi.sample_rows + mi.prompt_logprob_rows, torch.long, self.device)
+            return self.model.compute_logits(hidden[rows]).float()
         if not mi.sample_rows:
             return None
         if len(mi.sample_rows) < hidden.shape[0]:
-            hidden = hidden[self._to_device(mi.sample_rows, torch.long)]
+            hidden = hidden[to_device(mi.sample_rows, torch.long, self.device)]
         # else every row samples (rows are increasing, so they are 0 .. n-1): no gather copy
         return self.model.compute_logits(hidden).float()
 
     def _input_ids(self, mi: ModelInput) -> torch.Tensor:
         """[num_tokens] on the device; decodes of a token still on the device read it from there."""
-        input_ids = self._to_device(mi.input_ids, torch.long)
+        input_ids = to_device(mi.input_ids, torch.long, self.device)
         if mi.prev_token_rows:
-            input_ids[self._to_device(mi.prev_token_rows, torch.long)] = \
-                self._prev_sampled[self._to_device(mi.prev_token_src, torch.long)]
+            input_ids[to_device(mi.prev_token_rows, torch.long, self.device)] = \
+                self._prev_sampled[to_device(mi.prev_token_src, torch.long, self.device)]
         return input_ids
 
     def _eager_forward(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(mi.slot_mapping, torch.long),
-            block_tables=self._to_device(mi.block_tables, torch.int32),
-            seq_lens=self._to_device(mi.seq_lens, torch.int32),
-            cu_seqlens_q=self._to_device(_cumsum0(mi.query_lens), torch.int32),
+            slot_mapping=to_device(mi.slot_mapping, torch.long, self.device),
+            block_tables=to_device(mi.block_tables, torch.int32, self.device),
+            seq_lens=to_device(mi.seq_lens, torch.int32, self.device),
+            cu_seqlens_q=to_device(_cumsum0(mi.query_lens), torch.int32, self.device),
             max_seqlen_q=max(mi.query_lens), max_seqlen_k=max(mi.seq_lens),
             seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens)
         with set_forward_context(meta):
-            return self.model(input_ids, self._to_device(mi.positions, torch.long))
+            return self.model(input_ids, to_device(mi.positions, torch.long, self.device))
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, so: SchedulerOutput) -> dict[int, list[SampleLogprobs]]:
@@ -289,13 +289,6 @@ class ModelRunner:
             bt = seq.block_table[:max_blocks]
             mi.block_tables.append(bt + [0] * (max_blocks - len(bt)))
         return mi
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        # Pinned staging lets the copy overlap; no sync until the sampler reads tokens back.
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def free_seq(self, seq_id: int) -> None:
         self.sampler.free(seq_id)
