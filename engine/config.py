@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from engine.models import SUPPORTED_ARCHITECTURES, check_architecture  # names only: no torch
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "triton", "torch")
@@ -46,8 +47,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        check_architecture(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -102,8 +102,7 @@ class ModelConfig:
 
 def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     """Refuse what we would otherwise silently mis-run."""
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    check_architecture(arch)
     sliding = hf.get("sliding_window")
     uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
     if sliding is not None and uses_sliding and sliding < hf.get("max_position_embeddings", 0):
