@@ -29,41 +29,15 @@ from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device, model_config: ModelConfig) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU bf16 matmuls are slower than fp32 on most hosts
-    # On GPU: the checkpoint's half type if it has one, else bf16.
-    return _DTYPES.get(model_config.torch_dtype, torch.bfloat16) if model_config.torch_dtype != "float32" \
-        else torch.bfloat16
-
-
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
                  eos_token_ids: list[int]):
+        assert config.is_resolved, "ModelRunner reads a resolved config: EngineConfig.resolve(model_config)"
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.attention_backend = config.attention_backend
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = self._build_model(model_path)
