@@ -42,6 +42,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = self._build_model(model_path)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # The runner owns the backend choice, as it owns the KV cache: model constructors never see it.
+        for layer in self.attn_layers:
+            layer.set_backend(self.attention_backend)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=config.seed, device=self.device)
         # Every TP rank must hold the same number of blocks: take the smallest any rank can afford.
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
@@ -58,7 +61,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.model_config, attention_backend=self.attention_backend)
+                model = cls(self.model_config)
         finally:
             torch.set_default_dtype(prev_dtype)
         gguf_file = gguf_source(model_path)  # a GGUF's HF view links the weights' file
