@@ -1,21 +1,25 @@
-"""Engine configuration: plain values, validated once.
+"""Engine configuration: plain values, validated once, resolved once.
 
 `EngineConfig` never touches disk; `ModelConfig.from_pretrained` is the one place
 that reads a checkpoint's config.json, so a scheduler can be built in a test
-from numbers alone.
+from numbers alone. `EngineConfig.resolve` is the one place where "auto" and the
+None defaults become concrete values; every stage after it reads only those.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "triton", "torch")
+from engine.models import SUPPORTED_ARCHITECTURES, check_architecture  # names only: no torch
+
+# The valid concrete values; each EngineConfig field also takes "auto".
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names: getattr(torch, name)
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("triton", "torch")     # engine/layers/attention.py loads their kernels
 # Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
 # Pages are only touched when used, so an unused budget costs address space, not RAM.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -46,8 +50,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        check_architecture(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -102,8 +105,7 @@ class ModelConfig:
 
 def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     """Refuse what we would otherwise silently mis-run."""
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    check_architecture(arch)
     sliding = hf.get("sliding_window")
     uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
     if sliding is not None and uses_sliding and sliding < hf.get("max_position_embeddings", 0):
@@ -146,9 +148,9 @@ class EngineConfig:
     worker_start_timeout_s: float = 120.0       # a TP worker not up by then fails start-up, naming its rank
 
     def __post_init__(self) -> None:
-        _choice("dtype", self.dtype, _DTYPES)
-        _choice("device", self.device, _DEVICES)
-        _choice("attention_backend", self.attention_backend, _BACKENDS)
+        _choice("dtype", self.dtype, ("auto",) + DTYPES)
+        _choice("device", self.device, ("auto",) + DEVICES)
+        _choice("attention_backend", self.attention_backend, ("auto",) + ATTENTION_BACKENDS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
@@ -168,6 +170,61 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
+
+    def resolve(self, model_config: ModelConfig) -> EngineConfig:
+        """A copy with every "auto" and None default decided for this machine and model.
+
+        The one place they are decided: LLMEngine calls it once, and the executors, TP workers,
+        model runner and attention layers read only its result (device "cpu" / "cuda", a name
+        in DTYPES, a name in ATTENTION_BACKENDS), so no two stages can decide differently.
+        Raises ValueError for device="cuda" without CUDA and for max_model_len over the model's.
+        """
+        device = _resolve_device(self.device)
+        on_cuda = device == "cuda"
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{model_config.max_position_embeddings}")
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = on_cuda and self.tensor_parallel_size == 1
+        return dataclasses.replace(
+            self, device=device, dtype=_resolve_dtype(self.dtype, on_cuda, model_config.torch_dtype),
+            attention_backend=_resolve_attention_backend(self.attention_backend, on_cuda),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_cuda else 2048),
+            async_scheduling=async_scheduling)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every value `resolve` decides is concrete (stages check it before reading them)."""
+        return ("auto" not in (self.device, self.dtype, self.attention_backend)
+                and None not in (self.max_model_len, self.max_num_batched_tokens, self.async_scheduling))
+
+
+def _resolve_device(device: str) -> str:
+    import torch  # here, not at the top: the HTTP tier imports this module without torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
+    return device
+
+
+def _resolve_dtype(dtype: str, on_cuda: bool, checkpoint_dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if not on_cuda:
+        return "float32"  # CPU bf16 matmuls are slower than fp32 on most hosts
+    # On GPU: the checkpoint's half type if it has one, else bf16.
+    return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+def _resolve_attention_backend(backend: str, on_cuda: bool) -> str:
+    if backend != "auto":
+        return backend  # "triton" on CPU runs under TRITON_INTERPRET=1 (tests only)
+    return "triton" if on_cuda else "torch"  # "torch": the CPU path (kernels/cpu_attention.py)
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine import tp_worker
-from engine.config import EngineConfig, ModelConfig
+from engine.config import DEVICES, EngineConfig, ModelConfig
 from engine.distributed import destroy_tp_group, init_tp_group
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -53,9 +53,10 @@ def _free_port() -> int:
 
 def init_group(rank: int, config: EngineConfig) -> None:
     # The engine's device picks the backend, not the machine: device="cpu" on a host with
-    # GPUs still needs gloo (NCCL cannot reduce CPU tensors).
-    from engine.model_runner import resolve_device
-    backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+    # GPUs still needs gloo (NCCL cannot reduce CPU tensors). The config is resolved
+    # (EngineConfig.resolve), so its device is "cpu" or "cuda", never "auto".
+    assert config.device in DEVICES, f"init_group needs a resolved config, got device={config.device!r}"
+    backend = "nccl" if config.device == "cuda" else "gloo"
     init_tp_group(rank, config.tensor_parallel_size, config.distributed_init_method, backend=backend,
                   timeout=timedelta(seconds=config.worker_start_timeout_s))
 

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -35,7 +34,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(
             resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
-        self.config = config = _resolve_defaults(config, self.model_config)
+        # Device, dtype, attention backend and the None defaults are decided here, once; every
+        # stage below (executor, TP workers, model runner, attention) reads this resolved copy.
+        self.config = config = config.resolve(self.model_config)
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer)
         self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
         # Workers and the process group go when the engine does, even if nobody calls shutdown().
@@ -266,21 +267,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the TP workers and leave the process group; idempotent."""
         self._finalizer()
-
-
-def _resolve_defaults(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    from engine.model_runner import resolve_device
-    on_cuda = resolve_device(config.device).type == "cuda"
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                         f"{model_config.max_position_embeddings}")
-    budget = config.max_num_batched_tokens or (8192 if on_cuda else 2048)
-    overlap = config.async_scheduling
-    if overlap is None:
-        overlap = on_cuda and config.tensor_parallel_size == 1
-    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget,
-                               async_scheduling=overlap)
 
 
 def _needs_host_state(seq: Sequence) -> bool:

@@ -24,50 +24,27 @@ from engine.layers.linear import LinearBase
 from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.outputs import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from engine.sampler import SampledTokens, Sampler, compute_prompt_logprobs
+from engine.sampler import SampledTokens, Sampler, compute_prompt_logprobs, to_device
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device, model_config: ModelConfig) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU bf16 matmuls are slower than fp32 on most hosts
-    # On GPU: the checkpoint's half type if it has one, else bf16.
-    return _DTYPES.get(model_config.torch_dtype, torch.bfloat16) if model_config.torch_dtype != "float32" \
-        else torch.bfloat16
-
-
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
                  eos_token_ids: list[int]):
+        assert config.is_resolved, "ModelRunner reads a resolved config: EngineConfig.resolve(model_config)"
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.attention_backend = config.attention_backend
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = self._build_model(model_path)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # The runner owns the backend choice, as it owns the KV cache: model constructors never see it.
+        for layer in self.attn_layers:
+            layer.set_backend(self.attention_backend)
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=config.seed, device=self.device)
         # Every TP rank must hold the same number of blocks: take the smallest any rank can afford.
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
@@ -84,7 +61,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.model_config, attention_backend=self.attention_backend)
+                model = cls(self.model_config)
         finally:
             torch.set_default_dtype(prev_dtype)
         gguf_file = gguf_source(model_path)  # a GGUF's HF view links the weights' file
@@ -217,33 +194,33 @@ class ModelRunner:
         if mi.prompt_logprob_rows:
             # [num_sample_rows + num_prompt_logprob_rows, vocab], in that order: only the rows that are
             # scored, never the whole chunk's (at most max_num_batched_tokens rows).
-            return self.model.compute_logits(hidden[self._to_device(mi.sample_rows + mi.prompt_logprob_rows,
-                                                                    torch.long)]).float()
+            rows = to_device(mi.sample_rows + mi.prompt_logprob_rows, torch.long, self.device)
+            return self.model.compute_logits(hidden[rows]).float()
         if not mi.sample_rows:
             return None
         if len(mi.sample_rows) < hidden.shape[0]:
-            hidden = hidden[self._to_device(mi.sample_rows, torch.long)]
+            hidden = hidden[to_device(mi.sample_rows, torch.long, self.device)]
         # else every row samples (rows are increasing, so they are 0 .. n-1): no gather copy
         return self.model.compute_logits(hidden).float()
 
     def _input_ids(self, mi: ModelInput) -> torch.Tensor:
         """[num_tokens] on the device; decodes of a token still on the device read it from there."""
-        input_ids = self._to_device(mi.input_ids, torch.long)
+        input_ids = to_device(mi.input_ids, torch.long, self.device)
         if mi.prev_token_rows:
-            input_ids[self._to_device(mi.prev_token_rows, torch.long)] = \
-                self._prev_sampled[self._to_device(mi.prev_token_src, torch.long)]
+            input_ids[to_device(mi.prev_token_rows, torch.long, self.device)] = \
+                self._prev_sampled[to_device(mi.prev_token_src, torch.long, self.device)]
         return input_ids
 
     def _eager_forward(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(mi.slot_mapping, torch.long),
-            block_tables=self._to_device(mi.block_tables, torch.int32),
-            seq_lens=self._to_device(mi.seq_lens, torch.int32),
-            cu_seqlens_q=self._to_device(_cumsum0(mi.query_lens), torch.int32),
+            slot_mapping=to_device(mi.slot_mapping, torch.long, self.device),
+            block_tables=to_device(mi.block_tables, torch.int32, self.device),
+            seq_lens=to_device(mi.seq_lens, torch.int32, self.device),
+            cu_seqlens_q=to_device(_cumsum0(mi.query_lens), torch.int32, self.device),
             max_seqlen_q=max(mi.query_lens), max_seqlen_k=max(mi.seq_lens),
             seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens)
         with set_forward_context(meta):
-            return self.model(input_ids, self._to_device(mi.positions, torch.long))
+            return self.model(input_ids, to_device(mi.positions, torch.long, self.device))
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, so: SchedulerOutput) -> dict[int, list[SampleLogprobs]]:
@@ -289,13 +266,6 @@ class ModelRunner:
             bt = seq.block_table[:max_blocks]
             mi.block_tables.append(bt + [0] * (max_blocks - len(bt)))
         return mi
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        # Pinned staging lets the copy overlap; no sync until the sampler reads tokens back.
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def free_seq(self, seq_id: int) -> None:
         self.sampler.free(seq_id)

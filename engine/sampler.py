@@ -100,7 +100,7 @@ class Sampler:
                 if t < vocab:
                     flat.append(i * vocab + t)
         if flat:
-            logits.view(-1).index_fill_(0, _to_device(flat, torch.int64, logits.device), float("-inf"))
+            logits.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), float("-inf"))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """[num_seqs, vocab] processed logits -> [num_seqs] int64 token ids."""
@@ -110,7 +110,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         vocab = logits.shape[1]
         # Greedy rows get neutral knobs: their random sample is computed, then discarded.
-        knobs = _to_device([
+        knobs = to_device([
             [1.0 if g else p.temperature for p, g in zip(params, greedy)],
             [float(vocab if g or p.top_k == 0 else min(p.top_k, vocab)) for p, g in zip(params, greedy)],
             [1.0 if g else p.top_p for p, g in zip(params, greedy)],
@@ -203,15 +203,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     # spare column that is dropped, so padding needs no mask.
     padded = [_pad(s.prompt_token_ids, num_prompt, vocab) + _pad(s.output_token_ids, num_output, vocab)
               for s in sub]
-    tokens = _to_device(padded, torch.int64, device).clamp_(max=vocab)  # out-of-vocab ids -> spare column
-    knobs = _to_device([[s.sampling_params.repetition_penalty, s.sampling_params.frequency_penalty,
-                         s.sampling_params.presence_penalty] for s in sub], torch.float32, device)  # [num_rows, 3]
+    tokens = to_device(padded, torch.int64, device).clamp_(max=vocab)  # out-of-vocab ids -> spare column
+    knobs = to_device([[s.sampling_params.repetition_penalty, s.sampling_params.frequency_penalty,
+                        s.sampling_params.presence_penalty] for s in sub], torch.float32, device)  # [num_rows, 3]
     output_counts = _count_tokens(tokens[:, num_prompt:], vocab)      # [num_rows, vocab]
     in_prompt = _count_tokens(tokens[:, :num_prompt], vocab) > 0      # [num_rows, vocab]
     seen = in_prompt | (output_counts > 0)
 
     all_rows = len(rows) == len(seqs)
-    index = None if all_rows else _to_device(rows, torch.int64, device)
+    index = None if all_rows else to_device(rows, torch.int64, device)
     x = logits if all_rows else logits.index_select(0, index)  # [num_rows, vocab]
     rep = knobs[:, 0:1]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
@@ -276,8 +276,9 @@ def _pad(ids: list[int], length: int, pad_id: int) -> list[int]:
     return ids + [pad_id] * (length - len(ids))
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor. On CUDA, via pinned memory and non_blocking, so it doesn't sync."""
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor (the engine's one such helper; the model runner uses it too).
+    On CUDA, via pinned memory and non_blocking: the copy overlaps, nothing syncs."""
     host = torch.tensor(data, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
@@ -290,7 +291,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], ks: lis
     Only the rows that asked are here, so the log_softmax copy is [num_rows, vocab], not the chunk's.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = _to_device(target_ids, torch.int64, logits.device)
+    targets = to_device(target_ids, torch.int64, logits.device)
     return _logprob_records(targets, logprobs, ks)[1]
 
 

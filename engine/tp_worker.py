@@ -7,7 +7,7 @@ of the caller's is imported, so no guard is needed.
 
 Protocol on the pipe (a multiprocessing Connection, pickled tuples):
 
-    engine -> worker   (rank, config, model_config, model_path, eos_token_ids)
+    engine -> worker   (rank, config, model_config, model_path, eos_token_ids)   config resolved by the engine
     worker -> engine   ("joining", None)          about to join the process group
     worker -> engine   ("ready", num_kv_blocks)   model loaded, KV cache allocated
     engine -> worker   ("execute", ModelInput)*   one per step; the worker runs the forward

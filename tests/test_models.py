@@ -14,7 +14,7 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.forward_context import AttentionMetadata, set_forward_context  # noqa: E402
 from engine.layers.attention import Attention  # noqa: E402
 from engine.loader import load_weights  # noqa: E402
-from engine.models import get_model_class  # noqa: E402
+from engine.models import MODEL_REGISTRY, get_model_class  # noqa: E402
 
 BLOCK_SIZE = 16
 BLOCKS_PER_SEQ = 8  # room for 128 tokens per sequence
@@ -70,9 +70,12 @@ def load_our_model(path, backend: str = "torch", dtype=torch.float32):
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = get_model_class(config.architecture)(config, attention_backend=backend)
+        model = get_model_class(config.architecture)(config)
     finally:
         torch.set_default_dtype(prev)
+    for m in model.modules():  # as the model runner does
+        if isinstance(m, Attention):
+            m.set_backend(backend)
     load_weights(model, path)
     return model.to(_device(backend)).eval()
 
@@ -173,6 +176,24 @@ def test_forward_without_kv_cache_is_a_clear_error(checkpoint):
     model = load_our_model(path)
     with pytest.raises(RuntimeError, match="no KV cache"):
         run_step(model, [(0, [1, 2, 3], 0)])
+
+
+def test_forward_without_attention_backend_is_a_clear_error(tmp_path):
+    build_hf_checkpoint("llama", tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    model = get_model_class(config.architecture)(config)  # as built, before the runner sets a backend
+    attach_kv_cache(model, 1)
+    with pytest.raises(RuntimeError, match="no backend"):
+        run_step(model, [(0, [1, 2, 3], 0)])
+
+
+def test_every_registered_architecture_builds_its_model_class():
+    """The registry is the one table of supported architectures; its "module:Class" strings
+    are imported on first use, so a typo would otherwise surface only when that model loads."""
+    for arch in MODEL_REGISTRY:
+        assert issubclass(get_model_class(arch), torch.nn.Module), arch
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
 
 
 def test_bfloat16_model_runs_and_returns_float32_logits(tmp_path):

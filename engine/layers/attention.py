@@ -2,16 +2,17 @@
 
 Head counts are per TP rank. The model runner assigns `k_cache` / `v_cache`
 ([num_blocks, block_size, num_kv_heads, head_dim], contiguous, the model's
-dtype) to every `Attention` module; until then they are empty tensors.
+dtype) to every `Attention` module; until then they are empty tensors. It also
+sets the backend (`set_backend`, from the resolved EngineConfig), so model
+constructors never carry it.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.config import ATTENTION_BACKENDS
 from engine.forward_context import get_forward_context
-
-BACKENDS = ("torch", "triton")
 
 
 def _load_backend(backend: str):
@@ -27,22 +28,31 @@ def _load_backend(backend: str):
     if backend == "torch":
         from kernels.cpu_attention import paged_attention_cpu, store_kv_cpu
         return store_kv_cpu, paged_attention_cpu, True
-    raise ValueError(f"attention backend {backend!r} is not supported; choose one of {BACKENDS}")
+    raise ValueError(f"attention backend {backend!r} is not supported; choose one of {ATTENTION_BACKENDS}")
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str = "torch"):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.backend = backend
-        self._store_kv, self._paged_attention, self._cpu_path = _load_backend(backend)
+        self.backend: str | None = None  # set_backend() names it before the first forward
         # Plain attributes, not buffers: the runner owns the cache memory and the
         # model's state_dict / .to() must not copy it.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def set_backend(self, backend: str) -> None:
+        """Choose the kernels, once, for a model the runner has built.
+
+        Set on the module like the KV cache, not passed to every model constructor (the
+        choice is the runner's, from the resolved config) and not read from the forward
+        context (that carries per-step metadata only; the backend is fixed for the model).
+        """
+        self._store_kv, self._paged_attention, self._cpu_path = _load_backend(backend)
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, num_heads * head_dim], k/v [n, num_kv_heads * head_dim] (views are fine)
@@ -50,6 +60,9 @@ class Attention(nn.Module):
         md = get_forward_context().attn_metadata
         if md is None:
             raise RuntimeError("Attention needs attn_metadata in the forward context")
+        if self.backend is None:
+            raise RuntimeError("Attention has no backend: call set_backend() before the first forward "
+                               "(the model runner does, from the resolved config)")
         if self.k_cache.numel() == 0:
             raise RuntimeError("Attention has no KV cache: assign k_cache/v_cache before the first forward "
                                "(a warm-up run can use a 1-block cache and slot_mapping -1)")

@@ -1,25 +1,35 @@
-"""Model registry keyed by the HF `architectures` name in config.json."""
+"""The model registry: the one table of the architectures the engine runs, keyed by the HF
+`architectures` name in config.json.
+
+Values are "module:Class" strings, imported on first use: `engine.config` validates a
+checkpoint's architecture against this table without importing torch or model code (the
+HTTP tier imports the config).
+"""
 from __future__ import annotations
 
-from torch import nn
+import importlib
 
-from engine.models.llama import LlamaForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
-
-_MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same graph; sliding window is refused by ModelConfig
-    "Qwen2ForCausalLM": LlamaForCausalLM,    # q/k/v bias and tied embeddings come from ModelConfig
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # same graph; sliding window is refused by ModelConfig
+    "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",    # q/k/v bias and tied embeddings come from ModelConfig
+    "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
 }
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return _MODEL_REGISTRY[architecture]
-    except KeyError:
+def check_architecture(architecture: str) -> None:
+    """ValueError naming the architecture and the supported ones, unless it is in the registry."""
+    if architecture not in MODEL_REGISTRY:
         raise ValueError(f"architecture {architecture!r} is not supported; "
-                         f"supported: {', '.join(sorted(_MODEL_REGISTRY))}") from None
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-__all__ = ["LlamaForCausalLM", "Qwen3ForCausalLM", "get_model_class"]
+def get_model_class(architecture: str):
+    """The nn.Module class that runs `architecture` (imports its module)."""
+    check_architecture(architecture)
+    module, _, name = MODEL_REGISTRY[architecture].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "check_architecture", "get_model_class"]

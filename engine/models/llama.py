@@ -19,7 +19,7 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend: str, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.rotary_emb = rotary_emb  # shared by all layers
-        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads, attention_backend)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         n = hidden_states.shape[0]
@@ -63,9 +63,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend: str, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention_backend, rotary_emb)
+        self.self_attn = LlamaAttention(config, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -83,14 +83,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend: str):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers ([max_position, head_dim] float32: 64 MiB for
         # Llama 3.1's 131072 positions, which a per-layer copy would multiply by 32).
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_backend, rotary_emb)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,10 +112,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, attention_backend: str = "torch"):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attention_backend)
+        self.model = LlamaModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -8,7 +8,7 @@ from engine.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, attention_backend: str = "torch"):
+    def __init__(self, config: ModelConfig):
         if not config.qk_norm:
             raise ValueError("Qwen3ForCausalLM needs config.qk_norm=True (q_norm / k_norm weights)")
-        super().__init__(config, attention_backend)
+        super().__init__(config)
