@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.errors import check_int as _positive
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -169,8 +171,3 @@ class EngineConfig:
 def _choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is invalid: choose one of {choices}")
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
