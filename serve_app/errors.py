@@ -103,7 +103,7 @@ _FIELD_IN_MESSAGE = re.compile(r"^([a-z_][a-z0-9_.]*)(?:=|:| )")
 
 # -- engine failures: by type, in one table ------------------------------------------
 # What the client is told for each kind: (HTTP status, OpenAI error type, code when the error has none).
-# The two 503s carry Retry-After (overloaded()); admission control's own 429 is overloaded(..., 429).
+# The two 503s carry Retry-After (overloaded()), as the Ingress's own load shedding does.
 ERROR_TABLE: dict[ErrorKind, tuple[int, str, str | None]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None),
     ErrorKind.GUARDRAIL_VIOLATION: (422, "guardrail_violation", None),
