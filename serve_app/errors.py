@@ -103,7 +103,7 @@ _FIELD_IN_MESSAGE = re.compile(r"^([a-z_][a-z0-9_.]*)(?:=|:| )")
 
 # -- engine failures: by type, in one table ------------------------------------------
 # What the client is told for each kind: (HTTP status, OpenAI error type, code when the error has none).
-# The two 503s carry Retry-After (overloaded()), as the Ingress's own load shedding does.
+# A 503 carries Retry-After, as the Ingress's own load shedding (overloaded()) does.
 ERROR_TABLE: dict[ErrorKind, tuple[int, str, str | None]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None),
     ErrorKind.GUARDRAIL_VIOLATION: (422, "guardrail_violation", None),
@@ -140,13 +140,12 @@ def stream_error(e: BaseException) -> StreamError:
 def from_stream_error(err: StreamError, retry_after_s: int) -> OpenAIError:
     """The OpenAI error for a failed stream, by ERROR_TABLE."""
     status, type_, code = ERROR_TABLE[err.kind]
-    if status == 503:
-        return overloaded(err.message, retry_after_s)
     param = err.param
     if param is None and err.kind is ErrorKind.INVALID_REQUEST:  # an untyped ValueError: its message may say
         m = _FIELD_IN_MESSAGE.match(err.message)
         param = m.group(1) if m and m.group(1) in _KNOWN_PARAMS else None
-    return OpenAIError(status, err.message, type=type_, param=param, code=err.code or code)
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
+    return OpenAIError(status, err.message, type=type_, param=param, code=err.code or code, headers=headers)
 
 
 def from_value_error(e: ValueError) -> OpenAIError:
