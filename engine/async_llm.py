@@ -27,6 +27,7 @@ import weakref
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.output_collector import RequestOutputCollector
 from engine.outputs import RequestOutput
@@ -34,10 +35,6 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stats import IterationStats
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped; no request can be served by this engine any more."""
 
 
 class AsyncLLM:

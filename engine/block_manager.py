@@ -22,6 +22,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from engine.errors import check_int
+from engine.math_utils import cdiv
 from engine.sequence import Sequence
 
 # Parent "hash" of a sequence's first block.
@@ -41,15 +43,10 @@ def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        check_int("num_blocks", num_blocks)
+        check_int("block_size", block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -119,7 +116,7 @@ class BlockManager:
         assert not admitting or seq.num_computed_tokens == 0, seq
         hit_ids = [self.cached_block_ids[h] for h in seq.block_hashes[: num_computed_from_cache // bs]]
         num_tokens_after = seq.num_computed_tokens + num_computed_from_cache + num_new_tokens
-        num_new_blocks = max(0, _cdiv(num_tokens_after, bs) - len(seq.block_table) - len(hit_ids))
+        num_new_blocks = max(0, cdiv(num_tokens_after, bs) - len(seq.block_table) - len(hit_ids))
         # Hit blocks with ref 0 sit in the free queue; taking them shrinks what is left for new blocks.
         num_free_hits = sum(1 for b in hit_ids if self.ref_counts[b] == 0)
         if num_new_blocks > len(self.free_block_ids) - num_free_hits:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.errors import check_int as _positive
 from engine.models import SUPPORTED_ARCHITECTURES, check_architecture  # names only: no torch
 
 # The valid concrete values; each EngineConfig field also takes "auto".
@@ -230,8 +231,3 @@ def _resolve_attention_backend(backend: str, on_cuda: bool) -> str:
 def _choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is invalid: choose one of {choices}")
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")

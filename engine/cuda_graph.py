@@ -12,11 +12,11 @@ writes nothing (slot -1) and attends to one cached token of block 0.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from engine.forward_context import AttentionMetadata, set_forward_context
+from engine.math_utils import cdiv
 from engine.outputs import ModelInput
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class CUDAGraphRunner:
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
         self.max_model_len = max_model_len
-        max_blocks = math.ceil(max_model_len / block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         kw = dict(device=device)
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, **kw)       # [max_bs]
         self.positions = torch.zeros(self.max_bs, dtype=torch.long, **kw)       # [max_bs]

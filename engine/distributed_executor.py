@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,21 +33,13 @@ from typing import Callable
 from engine import tp_worker
 from engine.config import DEVICES, EngineConfig, ModelConfig
 from engine.distributed import destroy_tp_group, init_tp_group
+from engine.errors import WorkerDiedError
+from engine.network_utils import free_port
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _STDERR_TAIL_LINES = 20
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])  # so `-m engine.tp_worker` imports this tree
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process exited (or never came up); the engine cannot go on."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_group(rank: int, config: EngineConfig) -> None:
@@ -134,7 +125,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
                  eos_token_ids: list[int]):
         if config.distributed_init_method is None:
-            config = dataclasses.replace(config, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            config = dataclasses.replace(config, distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         self._closing = False
         self._error: WorkerDiedError | None = None
         self._on_failure: Callable[[BaseException], None] | None = None

@@ -48,6 +48,8 @@ import jsonschema
 import torch
 import xgrammar as xgr
 
+from engine.errors import InvalidRequestError
+from engine.math_utils import cdiv
 from engine.sampling_params import StructuredOutputsParams
 
 _GRAMMAR_OPTIONS = dict(any_whitespace=False, separators=(", ", ": "), strict_mode=True)
@@ -98,7 +100,8 @@ def check_schema(schema: dict | bool) -> None:
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
-        raise ValueError(f"invalid JSON Schema at {_pointer(e.path)}: {e.message}") from None
+        raise InvalidRequestError(f"invalid JSON Schema at {_pointer(e.path)}: {e.message}",
+                                  param="structured_outputs") from None
     _check_supported(schema, "#")
 
 
@@ -152,8 +155,9 @@ def _subschemas(schema: dict, where: str):
             yield sub, f"{where}/{key}/{i}"
 
 
-def _unsupported(part: str, where: str, why: str) -> ValueError:
-    return ValueError(f"'{part}' (at {where}) is not supported by grammar-constrained decoding: {why}")
+def _unsupported(part: str, where: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"'{part}' (at {where}) is not supported by grammar-constrained decoding: {why}",
+                               param="structured_outputs")
 
 
 def _escape(name: str) -> str:  # JSON Pointer (RFC 6901) escaping of one path segment
@@ -228,7 +232,7 @@ class StructuredOutputManager:
         # Our own LRU below is the one bound on memory, so xgrammar's cache is off.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=min(8, os.cpu_count() or 1),
                                              cache_enabled=False)
-        self.num_words = (full_vocab + 31) // 32
+        self.num_words = cdiv(full_vocab, 32)
         self.stop_token_ids = list(self.tokenizer_info.stop_token_ids)
         self._non_stop_words = self._words_with(set(range(full_vocab)) - set(self.stop_token_ids))
         self._writable_words = self._words_with(self._writable_token_ids(tokenizer))
@@ -280,7 +284,8 @@ class StructuredOutputManager:
             return self._compiler.compile_json_schema(json.dumps(schema), **_GRAMMAR_OPTIONS)
         except RuntimeError as e:  # xgrammar's own refusals (unsatisfiable bounds, regex features)
             reason = _XGRAMMAR_LOG_PREFIX.sub("", str(e).strip())
-            raise ValueError(f"the JSON schema is not supported by grammar-constrained decoding: {reason}") from None
+            raise InvalidRequestError(f"the JSON schema is not supported by grammar-constrained decoding: {reason}",
+                                      param="structured_outputs") from None
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
         return Matcher(compiled, self.num_words, self._non_stop_words, self._writable_words)

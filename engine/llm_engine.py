@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.model_path import resolve_model_path
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request_state import RequestState
@@ -234,20 +235,22 @@ class LLMEngine:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                              for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
+                raise InvalidRequestError("prompt_token_ids must be a list of integers", param="prompt")
             return prompt.get("prompt"), list(ids)
-        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        raise InvalidRequestError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, "
+                                  f"got {type(prompt).__name__}", param="prompt")
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
+            raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is out of vocabulary (vocab_size={vocab})")
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary (vocab_size={vocab})", param="prompt")
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size={vocab})")
+            raise InvalidRequestError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size={vocab})",
+                                      param="stop_token_ids")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
 
     def get_stats(self) -> dict[str, float]:

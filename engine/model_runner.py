@@ -22,6 +22,7 @@ from engine.layers.cpu_gemm import pack_module_weight
 from engine.layers.embed_head import ParallelLMHead
 from engine.layers.linear import LinearBase
 from engine.loader import load_weights
+from engine.math_utils import cdiv
 from engine.models import get_model_class
 from engine.outputs import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from engine.sampler import SampledTokens, Sampler, compute_prompt_logprobs, to_device
@@ -86,7 +87,7 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         # Enough for every sequence at full length; more would only feed the prefix cache.
-        cap = self.config.max_num_seqs * math.ceil(self.config.max_model_len / self.block_size)
+        cap = self.config.max_num_seqs * cdiv(self.config.max_model_len, self.block_size)
         if self.device.type == "cpu":
             budget = int(self.config.cpu_kv_cache_gb * 2**30)
         else:
@@ -133,7 +134,7 @@ class ModelRunner:
         dev = self.device
         return AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-            block_tables=torch.zeros((1, math.ceil(n / self.block_size)), dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((1, cdiv(n, self.block_size)), dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
             max_seqlen_q=n, max_seqlen_k=n, seq_lens_cpu=[n], query_lens_cpu=[n])
@@ -261,7 +262,7 @@ class ModelRunner:
             num_rows += n
             if samples:
                 mi.sample_rows.append(num_rows - 1)  # the chunk's last row predicts the next token
-        max_blocks = max(-(-s // bs) for s in mi.seq_lens)
+        max_blocks = max(cdiv(s, bs) for s in mi.seq_lens)
         for seq in so.seqs:
             bt = seq.block_table[:max_blocks]
             mi.block_tables.append(bt + [0] * (max_blocks - len(bt)))

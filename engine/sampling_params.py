@@ -1,7 +1,7 @@
 """Per-request sampling parameters, with the ranges and defaults of vLLM / OpenAI.
 
-Validated once, here, with `ValueError`s that name the field and the value, so
-nothing downstream has to re-check user input.
+Validated once, here, with `InvalidRequestError`s (ValueErrors) that name the field and the
+value, in the message and in `param`, so nothing downstream has to re-check user input.
 """
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-_MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+from engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (serve_app/protocol.py checks against it too)
 
 
 class RequestOutputKind(enum.Enum):
@@ -28,14 +30,17 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.json_object):
-            raise ValueError("StructuredOutputsParams needs exactly one of json=<schema> or json_object=True")
+            raise InvalidRequestError("StructuredOutputsParams needs exactly one of json=<schema> or json_object=True",
+                                      param="structured_outputs")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}",
+                                          param="structured_outputs.json") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(self.json).__name__}")
+            raise InvalidRequestError(f"structured_outputs.json must be a JSON Schema object, "
+                                      f"got {type(self.json).__name__}", param="structured_outputs.json")
 
     def key(self) -> str:
         """A stable cache key for the compiled grammar."""
@@ -93,11 +98,11 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must be <= max_tokens={self.max_tokens}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
-               "logprobs", self.logprobs, f"must be an integer in [0, {_MAX_LOGPROBS}]")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         _check(self.prompt_logprobs is None
-               or (type(self.prompt_logprobs) is int and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
-               "prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {_MAX_LOGPROBS}]")
+               or (type(self.prompt_logprobs) is int and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative integers")
@@ -117,4 +122,4 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value: Any, why: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: {why}")
+        raise InvalidRequestError(f"{name}={value!r} is invalid: {why}", param=name)

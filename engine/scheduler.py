@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections import deque
 
 from engine.block_manager import BlockManager
+from engine.errors import InvalidRequestError, PromptTooLongError, check_int
+from engine.math_utils import cdiv
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
@@ -37,10 +39,9 @@ MAX_PROMPT_LOGPROB_ROWS = 512
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_manager: BlockManager, eos_token_ids: list[int] | tuple[int, ...] = ()):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_int("max_model_len", max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -65,35 +66,36 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ValueError, naming the numbers, for a request that could never run.
+        """Raise PromptTooLongError (InvalidRequestError for an empty prompt), naming the numbers,
+        for a request that could never run.
 
         Checked up front so that a lone sequence can always make progress later:
         it fits max_model_len and, even with every other request preempted, the cache.
         """
         if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty (0 tokens)")
+            raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
         if max_tokens is None and num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output "
-                             f"within max_model_len={self.max_model_len}")
+            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output "
+                                     f"within max_model_len={self.max_model_len}")
         if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len={self.max_model_len}")
+            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                                     f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len={self.max_model_len}")
         num_output = self.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
         # The last sampled token is never fed back, so it needs no KV slot.
-        num_kv_blocks = -(-(num_prompt_tokens + num_output - 1) // self.block_manager.block_size)
+        num_kv_blocks = cdiv(num_prompt_tokens + num_output - 1, self.block_manager.block_size)
         if num_kv_blocks > self.block_manager.num_blocks:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({num_output}) needs {num_kv_blocks} KV blocks "
                 f"of {self.block_manager.block_size} tokens, but the whole cache has "
                 f"num_blocks={self.block_manager.num_blocks}")
 
     def add_seq(self, seq: Sequence) -> None:
-        """Queue a sequence; ValueError (see check_fits) if it could never run."""
+        """Queue a sequence; PromptTooLongError / InvalidRequestError (see check_fits) if it could never run."""
         assert seq.status is SequenceStatus.WAITING and not seq.block_table, seq
         try:
             self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
-        except ValueError as e:
-            raise ValueError(f"request {seq.request_id!r}: {e}") from None
+        except InvalidRequestError as e:  # the same error (type, param, code), naming the request
+            raise type(e)(f"request {seq.request_id!r}: {e}", e.param, e.code) from None
         self.waiting.append(seq)
         self._seqs_by_request.setdefault(seq.request_id, []).append(seq)
 

@@ -22,11 +22,12 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.async_llm import AsyncLLM
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from serve_app.args import AppArgs, StreamingConfig
-from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
+from serve_app.errors import stream_error
+from serve_app.messages import Delta, EngineRequest, ErrorKind, StreamError, StreamItem
 from serve_app.metrics import EngineMetrics, record_engine_metrics
 from serve_app.placement import expose_bundle_gpus, use_cpu_threads
 
@@ -70,13 +71,13 @@ class EngineDeployment:
                 yield item
 
     def failure(self, e: BaseException) -> StreamError:
-        """Map an engine exception to what the client is told."""
-        if isinstance(e, EngineDeadError) or self._shutting_down:
-            return StreamError("unavailable", f"The engine is unavailable: {e}")
-        if isinstance(e, ValueError):
-            return StreamError("invalid_request", str(e))
-        logger.exception("request failed in the engine")
-        return StreamError("internal", "The engine failed while serving this request.")
+        """Map an engine exception to what the client is told (by type: serve_app/errors.py)."""
+        if self._shutting_down:  # whatever failed, the replica is going away: retry elsewhere
+            return StreamError(ErrorKind.UNAVAILABLE, f"The engine is unavailable: {e}")
+        error = stream_error(e)
+        if error.kind is ErrorKind.INTERNAL:
+            logger.exception("request failed in the engine")
+        return error
 
     # -- control ----------------------------------------------------------------------
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -139,7 +140,7 @@ async def _to_items(outputs: AsyncIterator[RequestOutput], owner: EngineDeployme
             async for out in outputs:
                 item = to_stream_item(out)
                 if out.finished and any(c.finish_reason == "abort" for c in out.outputs):
-                    item.error = StreamError("unavailable", SHUTDOWN_MESSAGE)
+                    item.error = StreamError(ErrorKind.UNAVAILABLE, SHUTDOWN_MESSAGE)
                 yield item
     except Exception as e:  # noqa: BLE001 - every failure ends the stream with an error item
         yield StreamItem(finished=True, error=owner.failure(e))

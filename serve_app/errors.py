@@ -1,6 +1,9 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
 Everything the client sent wrong becomes a 4xx here; a 500 means our bug, never the client's input.
+Engine failures are mapped by type, never by their wording: exception type -> ErrorKind
+(EXCEPTION_KINDS, in the engine replica), carried across deployments in a StreamError, then
+ErrorKind -> status, type and code (ERROR_TABLE, in the Ingress).
 """
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import re
 from typing import Any
 
 from pydantic import ValidationError
+
+from engine.errors import EngineDeadError, InvalidRequestError
+from serve_app.messages import ErrorKind, StreamError
 
 
 class OpenAIError(Exception):
@@ -95,23 +101,62 @@ def _is_union_tag(part: Any) -> bool:
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_][a-z0-9_.]*)(?:=|:| )")
 
 
+# -- engine failures: by type, in one table ------------------------------------------
+# What the client is told for each kind: (HTTP status, OpenAI error type, code when the error has none).
+# A 503 carries Retry-After, as the Ingress's own load shedding (overloaded()) does.
+ERROR_TABLE: dict[ErrorKind, tuple[int, str, str | None]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorKind.GUARDRAIL_VIOLATION: (422, "guardrail_violation", None),
+    ErrorKind.OVERLOADED: (503, "service_unavailable", "service_unavailable"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
+    ErrorKind.INTERNAL: (500, "server_error", "internal_error"),
+}
+
+# Which kind an exception is: the first row it is an instance of (subclasses above their bases).
+EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (EngineDeadError, ErrorKind.UNAVAILABLE),          # and WorkerDiedError: a dead TP worker
+    (InvalidRequestError, ErrorKind.INVALID_REQUEST),  # and PromptTooLongError (code context_length_exceeded)
+    (ValueError, ErrorKind.INVALID_REQUEST),           # untyped: param from the message's leading field name
+)
+
+# The engine's field names where the OpenAI API names the field otherwise.
+_OPENAI_PARAMS = {"structured_outputs": "response_format", "structured_outputs.json": "response_format"}
+
+
+def stream_error(e: BaseException) -> StreamError:
+    """What the client should be told about `e`, as the StreamError that carries it to the Ingress.
+
+    An internal error's message is generic: the exception's text is for the logs, not the client."""
+    kind = next((k for t, k in EXCEPTION_KINDS if isinstance(e, t)), ErrorKind.INTERNAL)
+    if kind is ErrorKind.INTERNAL:
+        return StreamError(kind, "The engine failed while serving this request.")
+    if kind is ErrorKind.UNAVAILABLE:
+        return StreamError(kind, f"The engine is unavailable: {e}")
+    if isinstance(e, InvalidRequestError):
+        return StreamError(kind, str(e), param=_OPENAI_PARAMS.get(e.param, e.param), code=e.code)
+    return StreamError(kind, str(e))
+
+
+def from_stream_error(err: StreamError, retry_after_s: int) -> OpenAIError:
+    """The OpenAI error for a failed stream, by ERROR_TABLE."""
+    status, type_, code = ERROR_TABLE[err.kind]
+    param = err.param
+    if param is None and err.kind is ErrorKind.INVALID_REQUEST:  # an untyped ValueError: its message may say
+        m = _FIELD_IN_MESSAGE.match(err.message)
+        param = m.group(1) if m and m.group(1) in _KNOWN_PARAMS else None
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
+    return OpenAIError(status, err.message, type=type_, param=param, code=err.code or code, headers=headers)
+
+
 def from_value_error(e: ValueError) -> OpenAIError:
-    """A `ValueError` from SamplingParams or the engine: its message names the field first."""
-    message = str(e)
-    m = _FIELD_IN_MESSAGE.match(message)
-    param = m.group(1) if m and m.group(1) in _KNOWN_PARAMS else None
-    if "out of vocabulary" in message and param is None:
-        param = "prompt"
-    if param is None and ("JSON Schema" in message or "structured_outputs" in message):
-        param = "response_format"
-    if "maximum context length" in message or "max_model_len" in message:
-        param = param or "max_tokens"
-    return bad_request(message, param=param)
+    """A ValueError raised in this process (SamplingParams, request conversion): a 400."""
+    return from_stream_error(stream_error(e), retry_after_s=0)
 
 
+# Request fields an untyped ValueError's message may start with ("max_tokens=9 is ...").
 _KNOWN_PARAMS = {
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
     "min_p", "seed", "max_tokens", "min_tokens", "logprobs", "stop", "stop_token_ids", "prompt", "messages",
-    "response_format", "structured_outputs.json", "structured_outputs",
+    "response_format",
 }
 

@@ -25,6 +25,7 @@ from typing import Any, Literal, Mapping
 
 import jsonschema
 
+from engine.errors import check_int
 from serve_app.errors import OpenAIError
 
 REDACTED = "[REDACTED]"
@@ -43,11 +44,11 @@ class GuardrailPolicy:
     _compiled: tuple[re.Pattern, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _positive_int("max_output_bytes", self.max_output_bytes, minimum=1)
-        _positive_int("max_depth", self.max_depth, minimum=1)
+        check_int("max_output_bytes", self.max_output_bytes, minimum=1)
+        check_int("max_depth", self.max_depth, minimum=1)
         if self.max_depth > _MAX_DEPTH_LIMIT:  # the parser, validator and redaction recurse
             raise ValueError(f"max_depth={self.max_depth} is invalid: must be <= {_MAX_DEPTH_LIMIT}")
-        _positive_int("max_retries", self.max_retries, minimum=0)
+        check_int("max_retries", self.max_retries, minimum=0)
         if self.redact_patterns is None:  # `redact_patterns: null` in YAML
             object.__setattr__(self, "redact_patterns", ())
         if isinstance(self.redact_patterns, str) or not all(isinstance(p, str) for p in self.redact_patterns):
@@ -85,11 +86,6 @@ class GuardrailPolicy:
         if isinstance(value, list):
             return [self.redact(v) for v in value]
         return value
-
-
-def _positive_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
 
 
 @dataclass

@@ -36,12 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.guardrail_policy import GuardrailError, GuardrailPolicy, GuardrailResult, check_output
-from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
+from serve_app.messages import Delta, EngineRequest, ErrorKind, StreamError, StreamItem
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
-
-# Engine refusals of a schema (engine/guided.py) say this; they are about response_format.
-_SCHEMA_REFUSAL_MARKS = ("grammar-constrained decoding", "JSON Schema", "JSON schema")
 
 
 def attempt_seed(seed: int | None, attempt: int) -> int | None:
@@ -59,7 +56,7 @@ def attempt_seed(seed: int | None, attempt: int) -> int | None:
 
 
 @dataclass
-class _Choice:
+class _GuardedChoice:
     """One of the request's n completions, across its attempts."""
 
     index: int                  # the client's choice index, 0..n-1
@@ -92,7 +89,7 @@ class GuardedRequest:
         self.schema = None if spec.json_object else spec.json
         self.json_object = spec.json_object
         self.hold = not request.stream or bool(policy.redact_patterns)
-        self.choices = [_Choice(i) for i in range(params.n)]
+        self.choices = [_GuardedChoice(i) for i in range(params.n)]
         self.outcomes: list[tuple[str, str]] = []  # (outcome, reason) per validation
         self.done = False                          # the last item (finished, or an error) is out
         self._attempt = -1
@@ -128,8 +125,10 @@ class GuardedRequest:
         """
         if self._attempt == 0 and item.num_prompt_tokens:
             self._num_prompt_tokens, self._num_cached_tokens = item.num_prompt_tokens, item.num_cached_tokens
-        if item.error is not None:  # the engine's failure (a refused schema, shutdown): not ours to retry
-            return self._finish(error=_tag_schema_refusal(item.error))
+        # The engine's failure (a refused schema: param response_format, set by its type in the
+        # engine replica; shutdown): not ours to retry.
+        if item.error is not None:
+            return self._finish(error=item.error)
         deltas = []
         for d in item.deltas:
             choice = self.choices[self._targets[d.index]]
@@ -158,14 +157,14 @@ class GuardedRequest:
                    for d in item.deltas)
 
     # -- one finished completion -------------------------------------------------------
-    def _validate(self, choice: _Choice, d: Delta) -> Delta | StreamError | None:
+    def _validate(self, choice: _GuardedChoice, d: Delta) -> Delta | StreamError | None:
         """Check a finished completion: the delta to pass on, None (retrying it), or the error."""
         choice.attempts += 1
         text = "".join(choice.text)
         try:
             result = check_output(text, self.schema, self.json_object, self.policy, d.finish_reason)
         except Exception as e:  # noqa: BLE001 - jsonschema cannot evaluate the client's schema
-            return StreamError("invalid_request", f"the JSON Schema cannot be evaluated by the validator "
+            return StreamError(ErrorKind.INVALID_REQUEST, f"the JSON Schema cannot be evaluated by the validator "
                                f"({type(e).__name__}): {e}", param="response_format")
         if result.passed:
             return self._passed(choice, d, result, redacted=result.text != text)
@@ -182,7 +181,7 @@ class GuardedRequest:
         message = f"{err.message}; {why_not}" if why_not else err.message
         return StreamError(GuardrailError.TYPE, message, param=err.param, code=err.code)
 
-    def _passed(self, choice: _Choice, d: Delta, result: GuardrailResult, redacted: bool) -> Delta:
+    def _passed(self, choice: _GuardedChoice, d: Delta, result: GuardrailResult, redacted: bool) -> Delta:
         self.outcomes.append(("passed", "redacted" if redacted else "none"))
         if not self.hold:  # its earlier deltas are out already; redaction is off in this mode
             choice.sent = True
@@ -191,7 +190,7 @@ class GuardedRequest:
         return Delta(choice.index, result.text, list(choice.token_ids), None if redacted else choice.logprobs,
                      d.finish_reason, d.stop_reason)
 
-    def _why_not_retried(self, choice: _Choice) -> str | None:
+    def _why_not_retried(self, choice: _GuardedChoice) -> str | None:
         """None if the choice may be generated again; else why not ("" once its attempts are spent)."""
         if choice.sent:
             return "not retried: part of it had already been streamed to the client"
@@ -206,11 +205,3 @@ class GuardedRequest:
         return StreamItem(deltas=deltas or [], num_prompt_tokens=self._num_prompt_tokens,
                           num_cached_tokens=self._num_cached_tokens, finished=True, error=error,
                           guardrail_outcomes=list(self.outcomes))
-
-
-def _tag_schema_refusal(error: StreamError) -> StreamError:
-    """An engine refusal of the schema is about response_format: say so in the error's param."""
-    if error.kind == "invalid_request" and error.param is None and any(
-            mark in error.message for mark in _SCHEMA_REFUSAL_MARKS):
-        return dataclasses.replace(error, param="response_format")
-    return error

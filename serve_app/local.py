@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+from engine.network_utils import free_port
 
 APP_NAME = "llm"
 # Ray Serve's high-throughput mode (Ray docs: "Enable High Throughput on Ray Serve"), which
@@ -25,12 +26,6 @@ APP_NAME = "llm"
 HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 METRICS_REPORT_INTERVAL_MS = 1000
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

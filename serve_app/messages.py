@@ -5,6 +5,7 @@ repeated prompt: a 2k-token prompt is sent once (in the request), never per toke
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -55,12 +56,33 @@ class StreamItem:
     guardrail_outcomes: list[tuple[str, str]] | None = None
 
 
+class ErrorKind(str, enum.Enum):
+    """Why a stream failed: a closed set. serve_app/errors.py's ERROR_TABLE gives each its HTTP status."""
+
+    INVALID_REQUEST = "invalid_request"          # 400: the request cannot be served as sent
+    GUARDRAIL_VIOLATION = "guardrail_violation"  # 422: the JSON output failed the guardrail
+    OVERLOADED = "overloaded"                    # 503 + Retry-After: every engine replica is at capacity
+    UNAVAILABLE = "unavailable"                  # 503 + Retry-After: engine dead, shutting down or unreachable
+    INTERNAL = "internal"                        # 500: our bug, never the client's input
+
+
 @dataclass
 class StreamError:
-    """Why an engine stream ended without finishing: maps to an HTTP status in the Ingress."""
+    """Why an engine stream ended without finishing: maps to an HTTP status in the Ingress.
 
-    kind: str     # "invalid_request" (400) | "unavailable" (503: engine dead, shutting down, overloaded)
-                  # | "guardrail_violation" (422: the JSON output failed the guardrail)
+    kind is one of ErrorKind ("invalid_request", "guardrail_violation", "overloaded",
+    "unavailable", "internal"); given as a string it is converted, and an unknown one is a
+    ValueError here rather than a 500 in the Ingress.
+    """
+
+    kind: ErrorKind  # compares equal to its string value
     message: str  # shown to the client as is; never contains prompt text
     param: str | None = None  # the request field it is about, when the message does not name it
     code: str | None = None   # the error body's code (a guardrail violation's reason)
+
+    def __post_init__(self) -> None:
+        try:
+            self.kind = ErrorKind(self.kind)
+        except ValueError:
+            raise ValueError(f"StreamError kind={self.kind!r} is invalid: choose one of "
+                             f"{[k.value for k in ErrorKind]}") from None

@@ -187,8 +187,8 @@ class IngressMetrics:
                                 "retried|rejected (reason: none|redacted or the violation), or cancelled "
                                 "(reason client_gone).", ("outcome", "reason"))
 
-    def request(self, json_mode: bool = False) -> "RequestMetrics":
-        return RequestMetrics(self, json_mode)
+    def request(self, json_mode: bool = False) -> "RequestRecorder":
+        return RequestRecorder(self, json_mode)
 
     def count_status(self, status: int) -> None:
         self.requests.inc(1, tags={"status": str(status)})
@@ -206,8 +206,9 @@ class IngressMetrics:
             self.batch_wait.observe(max(now - t, 0.0))
 
 
-class RequestMetrics:
-    """One HTTP request's observations, the final one recorded once."""
+class RequestRecorder:
+    """Records one HTTP request into IngressMetrics, the final status once (not engine/outputs.py's
+    RequestMetrics, which holds one engine request's timestamps)."""
 
     def __init__(self, metrics: IngressMetrics, json_mode: bool):
         self._m = metrics

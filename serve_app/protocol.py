@@ -9,9 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-
-_MAX_LOGPROBS = 20
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -127,7 +125,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below with one clear message
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -213,7 +211,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Any] | None = None

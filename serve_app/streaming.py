@@ -14,10 +14,9 @@ import logging
 import time
 from typing import AsyncIterator
 
-from serve_app.errors import OpenAIError, from_value_error, internal_error, overloaded
-from serve_app.guardrail_policy import GuardrailError
-from serve_app.messages import StreamError, StreamItem
-from serve_app.metrics import RequestMetrics
+from serve_app.errors import OpenAIError, from_stream_error, internal_error
+from serve_app.messages import StreamItem
+from serve_app.metrics import RequestRecorder
 from serve_app.responses import ResponseBuilder
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -33,24 +32,11 @@ def sse_error(err: OpenAIError) -> str:
     return sse(err.body())
 
 
-def to_openai_error(err: StreamError, retry_after_s: int) -> OpenAIError:
-    if err.kind == "invalid_request":
-        error = from_value_error(ValueError(err.message))
-        error.param = error.param or err.param
-        return error
-    if err.kind == GuardrailError.TYPE:  # the JSON output failed the guardrail (message and code set there)
-        return OpenAIError(GuardrailError.STATUS, err.message, type=GuardrailError.TYPE, param=err.param,
-                           code=err.code)
-    if err.kind in ("overloaded", "unavailable"):
-        return overloaded(err.message, retry_after_s)
-    return internal_error(err.message)
-
-
 class Generation:
     """One HTTP request in flight: its merged engine streams, its response builder and its metrics."""
 
     def __init__(self, items: AsyncIterator[tuple[int, StreamItem]], builder: ResponseBuilder,
-                 metrics: RequestMetrics, retry_after_s: int):
+                 metrics: RequestRecorder, retry_after_s: int):
         self.items = items
         self.builder = builder
         self.metrics = metrics
@@ -71,7 +57,7 @@ class Generation:
 
     def _raise_if_error(self, item: StreamItem) -> None:
         if item.error is not None:
-            raise to_openai_error(item.error, self.retry_after_s)
+            raise from_stream_error(item.error, self.retry_after_s)
 
     def _observe(self, item: StreamItem) -> int:
         """Record what an item says for the metrics; returns its number of new tokens."""
@@ -116,7 +102,7 @@ class Generation:
                     self.metrics.chunk("client", num_tokens)
                     yield "".join(sse(chunk) for chunk in chunks)
                 if item.error is not None:
-                    err = to_openai_error(item.error, self.retry_after_s)
+                    err = from_stream_error(item.error, self.retry_after_s)
                     status = err.status_code
                     yield sse_error(err)
                     break

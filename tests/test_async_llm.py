@@ -5,6 +5,7 @@ import pytest
 
 from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
 from engine.async_llm import EngineDeadError
+from engine.errors import InvalidRequestError, PromptTooLongError
 
 
 @pytest.fixture
@@ -97,10 +98,11 @@ def test_bad_request_raises_value_error(make_llm):
     llm = make_llm(max_model_len=64)
 
     async def main():
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(PromptTooLongError, match="max_model_len"):
             await _collect(llm, {"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=10), "long")
-        with pytest.raises(ValueError, match="vocab"):
+        with pytest.raises(InvalidRequestError, match="vocab") as info:
             await _collect(llm, {"prompt_token_ids": [10**7]}, SamplingParams(), "oov")
+        assert info.value.param == "prompt"
         ok = await _collect(llm, "still alive", SamplingParams(max_tokens=3), "ok")
         assert ok[-1].finished
     asyncio.run(main())

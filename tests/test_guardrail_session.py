@@ -1,7 +1,9 @@
 """serve_app.guardrail_session: what a JSON request generates, passes on, retries and fails with (no Ray)."""
 import pytest
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from serve_app.errors import stream_error
 from serve_app.guardrail_policy import GuardrailPolicy
 from serve_app.guardrail_session import GuardedRequest, attempt_seed
 from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
@@ -138,7 +140,9 @@ def test_logprobs_of_an_unredacted_choice_are_kept():
 def test_engine_errors_pass_through_and_schema_refusals_name_response_format():
     g = GuardedRequest(_request(), GuardrailPolicy())
     g.next_attempt()
-    refusal = StreamError("invalid_request", "'contains' (at #) is not supported by grammar-constrained decoding: x")
+    # As the engine replica reports engine/guided.py's refusal (serve_app.errors.stream_error).
+    refusal = stream_error(InvalidRequestError("'contains' (at #) is not supported by grammar-constrained decoding: x",
+                                               param="structured_outputs"))
     out = g.feed(StreamItem(finished=True, error=refusal))
     assert out.finished and out.error.param == "response_format" and out.error.message == refusal.message
     g = GuardedRequest(_request(), GuardrailPolicy())

@@ -91,8 +91,9 @@ def test_compile_from_many_threads(manager):
     ({"required": "a"}, "#/required"),
 ])
 def test_invalid_schema_is_a_value_error(manager, schema, where):
-    with pytest.raises(ValueError, match=f"invalid JSON Schema at {where}"):
+    with pytest.raises(ValueError, match=f"invalid JSON Schema at {where}") as info:
         manager.compile(_json(schema))
+    assert info.value.param == "structured_outputs"  # an InvalidRequestError: the HTTP tier's response_format
 
 
 @pytest.mark.parametrize("schema, named", [
@@ -110,8 +111,9 @@ def test_invalid_schema_is_a_value_error(manager, schema, where):
     ({"type": "string", "pattern": "^(a)\\1$"}, "Backreference"),
 ])
 def test_unsupported_parts_are_refused_by_name(manager, schema, named):
-    with pytest.raises(ValueError, match=re.escape(named)):
+    with pytest.raises(ValueError, match=re.escape(named)) as info:
         manager.compile(_json(schema))
+    assert info.value.param == "structured_outputs"
 
 
 @pytest.mark.parametrize("schema", [

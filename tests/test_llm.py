@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestOutputKind, SamplingParams
+from engine.errors import InvalidRequestError, PromptTooLongError
 from tests.hf_reference import assert_matches, hf_greedy, hf_prompt_logprobs
 
 PROMPT_LENS = [1, 5, 16, 17, 40, 128, 333, 700]
@@ -213,12 +214,13 @@ def test_prompt_logprobs_validation(bad):
 
 def test_refuses_requests_that_cannot_fit(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=8)
-    with pytest.raises(ValueError, match="256"):
+    with pytest.raises(PromptTooLongError, match="256"):
         llm.generate([{"prompt_token_ids": [1] * 250}], SamplingParams(max_tokens=10), use_tqdm=False)
-    with pytest.raises(ValueError, match="block"):
+    with pytest.raises(PromptTooLongError, match="block"):
         llm.generate([{"prompt_token_ids": [1] * 200}], SamplingParams(max_tokens=10), use_tqdm=False)
-    with pytest.raises(ValueError, match="vocab"):
+    with pytest.raises(InvalidRequestError, match="vocab") as info:
         llm.generate([{"prompt_token_ids": [10**6]}], use_tqdm=False)
+    assert info.value.param == "prompt"
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
     llm.llm_engine.block_manager.check_no_leak()

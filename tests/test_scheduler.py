@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -180,8 +181,10 @@ def test_abort_waiting_running_and_mid_step():
 ])
 def test_refuses_impossible_requests(prompt, sp, match):
     sched = make_sched(num_blocks=8)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         sched.add_seq(make_seq("r", prompt, **sp))
+    assert type(info.value) is (InvalidRequestError if prompt == [] else PromptTooLongError)
+    assert info.value.param == "prompt"  # the request's name prefixed, the type and param kept
     assert not sched.has_unfinished_seqs()
 
 

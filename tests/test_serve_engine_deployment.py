@@ -4,6 +4,7 @@ import asyncio
 import pytest
 
 from engine.async_llm import EngineDeadError
+from engine.errors import PromptTooLongError, WorkerDiedError
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from serve_app.args import StreamingConfig
@@ -94,6 +95,15 @@ def test_replica_records_the_engine_stats_while_serving():
 def test_invalid_request_becomes_an_error_item():
     (item,) = _run(_deployment(FakeLLM(error=ValueError("token id 9999 is out of vocabulary (vocab_size=10)"))))
     assert item.finished and item.error.kind == "invalid_request" and "9999" in item.error.message
+
+
+def test_engine_errors_become_error_items_by_type():
+    refusal = PromptTooLongError("prompt (60 tokens) + max_tokens (5) = 65 tokens exceeds max_model_len=64")
+    (item,) = _run(_deployment(FakeLLM(error=refusal)))
+    assert (item.error.kind, item.error.param, item.error.code) == ("invalid_request", "prompt",
+                                                                    "context_length_exceeded")
+    (item,) = _run(_deployment(FakeLLM(error=WorkerDiedError("TP worker rank 1 exited with code -9"))))
+    assert item.error.kind == "unavailable" and "rank 1" in item.error.message
 
 
 def test_engine_side_abort_says_shutting_down():

@@ -1,25 +1,18 @@
 """Tensor parallelism on CPU: 2 gloo processes run the TP-sharded model and must produce the
 tp=1 logits. One checkpoint splits its 2 KV heads across the ranks, the other replicates its
 single KV head; an odd vocab exercises the padded vocab shards."""
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from engine.distributed import (destroy_tp_group, get_tp_rank, get_tp_size, init_tp_group,
                                 tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+from engine.network_utils import free_port
 from test_models import attach_kv_cache, build_hf_checkpoint, load_our_model, prompts, run_step
 
 TP_SIZE = 2
 CASES = {"llama-kv2": dict(arch="llama", num_key_value_heads=2),
          "qwen2-kv1": dict(arch="qwen2", num_key_value_heads=1)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(path) -> torch.Tensor:
@@ -60,7 +53,7 @@ def checkpoints(tmp_path_factory):
 
 
 def test_tp2_logits_equal_tp1(checkpoints, tmp_path):
-    mp.spawn(_worker, args=(_free_port(), checkpoints, tmp_path), nprocs=TP_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(), checkpoints, tmp_path), nprocs=TP_SIZE, join=True)
     for i, path in enumerate(checkpoints):
         expected = _run(path)
         got = torch.load(tmp_path / f"logits{i}.pt")

@@ -14,6 +14,7 @@ from engine.distributed import (get_tp_rank, get_tp_size, tensor_model_parallel_
                                 tensor_model_parallel_all_reduce)
 from engine.layers.cpu_gemm import packed_linear
 from engine.layers.linear import copy_weight
+from engine.math_utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_embeddings = num_embeddings
-        self.shard_size = -(-num_embeddings // self.tp_size)  # ceil
+        self.shard_size = cdiv(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         # [shard_size, embedding_dim]; rows past vocab_end are padding

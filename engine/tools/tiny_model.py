@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from engine.math_utils import cdiv
 from engine.tools._tiny_corpus import corpus_lines
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -139,7 +140,7 @@ def _build_config(arch: str, preset: dict, tok_len: int, ids: dict, overrides: d
     kw = dict(preset["config"], **ARCH_CONFIG[arch])
     if preset is PRESETS["tiny"]:
         kw.update(TINY_ARCH_TWEAKS.get(arch, {}))
-    kw.setdefault("vocab_size", -(-tok_len // 64) * 64)  # pad to a multiple of 64
+    kw.setdefault("vocab_size", cdiv(tok_len, 64) * 64)  # pad to a multiple of 64
     kw.update(ids, **overrides)
     if kw["vocab_size"] < tok_len:
         raise ValueError(f"vocab_size {kw['vocab_size']} < tokenizer size {tok_len}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.errors import check_int
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _DEVICES = ("auto", "cpu", "cuda")
@@ -46,10 +47,10 @@ class BatchConfig:
         if self.device not in _DEVICES:
             raise ValueError(f"device={self.device!r} is invalid: must be one of {_DEVICES}")
         for name in ("num_replicas", "tensor_parallel_size", "batch_size"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("max_batch_retries", self.max_batch_retries, minimum=0)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("max_batch_retries", self.max_batch_retries, minimum=0)
         if self.cpu_threads is not None:
-            _check_int("cpu_threads", self.cpu_threads, minimum=1)
+            check_int("cpu_threads", self.cpu_threads, minimum=1)
         if self.response_format is not None:
             self.structured_outputs()  # refuse a bad response_format now, not in an actor
         self.sampling_params(0)  # SamplingParams' own checks on max_tokens, temperature, top_p, seed
@@ -101,11 +102,6 @@ def row_seed(seed: int, row_id: Any) -> int:
     """63 bits of sha256("<seed>:<id>"): stable across runs and processes (Python's hash() is not)."""
     digest = hashlib.sha256(f"{seed}:{row_id!r}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
 
 
 def _read_text(path: str, what: str) -> str:
