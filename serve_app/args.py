@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import DEVICES, EngineConfig, ModelConfig
 from serve_app.guardrail_policy import GuardrailPolicy
 
 STREAM_INTERVAL_MS = 20.0
@@ -90,7 +90,7 @@ class AppArgs(_DeclaredElsewhere):
     # Checked here, not by the engine, which parse_app_args runs on "cpu": the node that builds
     # the app may lack the engine nodes' device. 'auto' is resolved from the Ray cluster's
     # resources at build_app (serve_app.placement.resolve_device), not on a replica.
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal[("auto", *DEVICES)] = "auto"  # the engine's list of devices, checked here
 
     # -- the model as served --
     served_model_name: str | None = None  # None: the model path's last component
