@@ -9,9 +9,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from ray import cloudpickle
 
 from engine import LLM, SamplingParams
 from serve_app.batch import BatchConfig, build_processor, run_job, shards
+from serve_app.batch import processor as processor_module
+from serve_app.batch.stages import EngineStage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,6 +126,33 @@ def test_processor_api_with_preprocess_and_postprocess(ray_cluster, tiny_llama):
     assert [r["prompt"] for r in rows] == ["number x", "number xx", "number xxx", "number xxxx"]
     assert all(r["short"] == r["text"][:3] and r["n_plus"] == r["n"] + 1 for r in rows)
     assert processor.num_retries == 0
+
+
+class _DiesOnce(EngineStage):
+    """An engine actor whose process dies (as an OOM-kill would) in its first batch, once per `marker`."""
+    marker = ""
+
+    async def _generate(self, prompts, params):
+        if not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            os._exit(1)
+        return await super()._generate(prompts, params)
+
+
+def test_a_batch_whose_actor_dies_is_rerun_and_counted_not_the_job(ray_cluster, tiny_llama, tmp_path, monkeypatch):
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels by value
+    _DiesOnce.marker = str(tmp_path / "died")
+    monkeypatch.setattr(processor_module, "EngineStage", _DiesOnce)
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=8, batch_size=4)
+    summary = run_job(config, src, str(tmp_path / "out"), progress=False)
+    assert os.path.exists(_DiesOnce.marker)
+    assert summary.num_actor_restarts == 1
+    assert 1 <= summary.num_retries <= 3  # the batches that had started in the dead actor
+    expected = LLM(tiny_llama, device="cpu").generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0),
+                                                      use_tqdm=False)
+    got = _by_id(tmp_path / "out")  # every id once
+    assert [got[i]["text"] for i in range(len(PROMPTS))] == [e.outputs[0].text for e in expected]
 
 
 def test_bad_input_fails_fast_naming_it(ray_cluster, tiny_llama, tmp_path):

@@ -24,3 +24,13 @@ def test_arguments_become_the_config(tiny_llama, tmp_path):
     assert (config.chat, config.seed, config.temperature, config.tensor_parallel_size) == (True, 3, 0.5, 2)
     assert config.response_format == {"type": "object"} and config.engine_kwargs == {"max_num_seqs": 8}
     assert config.prompt_column == "prompt" and config.batch_size == 256
+
+
+def test_concurrent_batches_keep_the_engine_full_unless_set(tiny_llama, capsys):
+    base = ["--model", tiny_llama, "--input", "x.jsonl", "--output", "o"]
+    # the engine's running batch full, plus one batch queued behind it
+    assert _config(parse_args(base)).concurrent_batches() == 2  # 256 rows per batch, max_num_seqs 256
+    assert _config(parse_args(base + ["--batch-size", "32", "--max-num-seqs", "64"])).concurrent_batches() == 3
+    assert _config(parse_args(base + ["--max-concurrent-batches", "5"])).concurrent_batches() == 5
+    assert main(base + ["--max-concurrent-batches", "0"]) == 2
+    assert "max_concurrent_batches=0 is invalid" in capsys.readouterr().err

@@ -1,10 +1,14 @@
-"""serve_app.batch.stages without Ray: the engine stage's retry, the JSON checks, user functions."""
+"""serve_app.batch.stages without Ray: concurrent batches in one engine, the engine stage's retry, the JSON checks, user functions."""
+import asyncio
+import types
+
 import pyarrow as pa
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.async_llm import EngineDeadError
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.stages import EngineStage, postprocess_batch, preprocess_batch
+from serve_app.batch.stages import EngineStage, RetryCounter, postprocess_batch, preprocess_batch
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -14,30 +18,76 @@ def _rows(config, prompts):
                             config, None)
 
 
-def test_a_failed_batch_is_retried_on_a_fresh_engine(tiny_llama):
-    config = BatchConfig(model=tiny_llama, max_tokens=5, max_batch_retries=1)  # device auto: no thread changes
-    stage = EngineStage(config)
-    first = stage.llm
-    calls = []
+class _Counter(RetryCounter):
+    """Stands in for the RetryCounter actor's handle: counter.<method>.remote(...) calls it here."""
 
-    def fail_once(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("injected: CUDA error")
+    def __getattribute__(self, name):
+        method = super().__getattribute__(name)
+        if name in ("add", "batch_started", "actor_restarted"):
+            return types.SimpleNamespace(remote=lambda *args: _Done(method(*args)))
+        return method
 
-    first.generate = fail_once
-    out = stage(_rows(config, ["one two", "three"])).to_pylist()
-    assert calls == [1] and stage.llm is not first
-    expected = LLM(tiny_llama).generate(["one two", "three"], SamplingParams(max_tokens=5, temperature=0),
-                                        use_tqdm=False)
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield
+
+
+def _generate_all(stage, batches):
+    """Several batches in one actor at once, as Ray Data runs them (one event loop, concurrent calls)."""
+    async def run():
+        return await asyncio.gather(*(stage(b) for b in batches))
+    return [t.to_pylist() for t in asyncio.run(run())]
+
+
+def test_concurrent_batches_in_one_engine_equal_llm_generate_row_for_row(tiny_llama):
+    prompts = [f"row {i} is about" + " more" * (i % 4) for i in range(12)]
+    for temperature, seed in ((0.0, None), (0.9, 3)):  # greedy, and seeded sampling (a seed per row id)
+        config = BatchConfig(model=tiny_llama, max_tokens=7, temperature=temperature, seed=seed)
+        rows = _rows(config, prompts)
+        got = _generate_all(EngineStage(config), [rows.slice(0, 5), rows.slice(5, 4), rows.slice(9)])
+        got = [r for batch in got for r in batch]
+        expected = LLM(tiny_llama).generate(prompts, [config.sampling_params(i) for i in range(12)],
+                                            use_tqdm=False)
+        assert [r["id"] for r in got] == list(range(12))
+        assert [r["text"] for r in got] == [e.outputs[0].text for e in expected]
+        assert [r["num_generated_tokens"] for r in got] == [len(e.outputs[0].token_ids) for e in expected]
+
+
+def test_batches_failing_together_are_retried_on_one_fresh_engine(tiny_llama):
+    config = BatchConfig(model=tiny_llama, max_tokens=30, max_batch_retries=1)  # device auto: no thread changes
+    counter = _Counter()
+    stage = EngineStage(config, retry_counter=counter)
+    first, engines = stage.llm, []
+    new_llm = stage._new_llm
+    stage._new_llm = lambda: engines.append(new_llm()) or engines[-1]
+    prompts = ["one two", "three", "four five six", "seven"]
+    rows = _rows(config, prompts)
+
+    async def run():
+        calls = [asyncio.ensure_future(stage(rows.slice(0, 2))), asyncio.ensure_future(stage(rows.slice(2)))]
+        while not first.engine.has_unfinished_requests():  # both batches are in the engine: kill it mid-way
+            await asyncio.sleep(0.001)
+        first.inject_step_error_for_testing(RuntimeError("injected: CUDA error"))
+        return await asyncio.gather(*calls)
+
+    out = [r for t in asyncio.run(run()) for r in t.to_pylist()]
+    assert engines == [stage.llm] and not first.is_running  # one replacement for both batches
+    assert counter.count == 2  # each batch counted once
+    expected = LLM(tiny_llama).generate(prompts, SamplingParams(max_tokens=30, temperature=0), use_tqdm=False)
     assert [r["text"] for r in out] == [e.outputs[0].text for e in expected]
-    assert "prompt_token_ids" not in out[0] and out[0]["num_generated_tokens"] == 5
+    assert "prompt_token_ids" not in out[0] and out[0]["num_generated_tokens"] == len(expected[0].outputs[0].token_ids)
 
 
 def test_a_batch_failing_every_attempt_fails(tiny_llama):
     stage = EngineStage(BatchConfig(model=tiny_llama, max_tokens=2, max_batch_retries=0))
-    stage.llm.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
-    with pytest.raises(RuntimeError, match="boom"):
-        stage(_rows(stage.config, ["x"]))
+    stage.llm.inject_step_error_for_testing(RuntimeError("boom"))
+    with pytest.raises(EngineDeadError, match="boom"):
+        asyncio.run(stage(_rows(stage.config, ["x"])))
 
 
 def test_json_rows_are_flagged_not_dropped(tiny_llama):

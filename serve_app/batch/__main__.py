@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine actor")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per engine call (>= the engine's max_num_seqs)")
+    p.add_argument("--batch-size", type=int, default=256, help="rows per engine call and per shard")
+    p.add_argument("--max-concurrent-batches", type=int,
+                   help="batches in one engine actor at once (default: enough to keep --max-num-seqs full)")
     p.add_argument("--max-num-seqs", type=int, help="engine knob: sequences batched at once")
     p.add_argument("--cpu-threads", type=int, help="torch threads of a CPU engine actor")
     p.add_argument("--resume", action="store_true", help="skip the ids the output directory holds already")
@@ -55,7 +57,8 @@ def _config(args: argparse.Namespace):
         prompt_column=args.prompt_column, chat=args.chat, id_column=args.id_column, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, num_replicas=args.num_replicas,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
-        batch_size=args.batch_size, cpu_threads=args.cpu_threads, engine_kwargs=engine_kwargs)
+        batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches, cpu_threads=args.cpu_threads,
+        engine_kwargs=engine_kwargs)
 
 
 def _raise_interrupt(signum, frame):

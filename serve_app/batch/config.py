@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.config import DEVICES, EngineConfig
 from engine.errors import check_int
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-_DEVICES = ("auto", "cpu", "cuda")
+_DEVICES = ("auto", *DEVICES)  # the engine's devices, plus "auto"
+_MAX_CONCURRENT_BATCHES = 16  # bounds the actor's threads and the blocks it holds
 
 
 @dataclass
@@ -32,7 +34,8 @@ class BatchConfig:
     tensor_parallel_size: int = 1           # GPUs per actor on CUDA
     device: str = "auto"
     dtype: str = "auto"
-    batch_size: int = 256                   # rows per engine call: >= max_num_seqs keeps the engine full
+    batch_size: int = 256                   # rows per engine call (and per shard)
+    max_concurrent_batches: int | None = None  # batches in one engine at once; None: enough to keep it full
     max_batch_retries: int = 2              # a batch whose generation raises is retried on a fresh engine
     cpu_threads: int | None = None          # torch threads of a CPU engine actor; None: every core it may use
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more engine.LLM knobs (max_num_seqs, ...)
@@ -51,6 +54,8 @@ class BatchConfig:
         check_int("max_batch_retries", self.max_batch_retries, minimum=0)
         if self.cpu_threads is not None:
             check_int("cpu_threads", self.cpu_threads, minimum=1)
+        if self.max_concurrent_batches is not None:
+            check_int("max_concurrent_batches", self.max_concurrent_batches, minimum=1)
         if self.response_format is not None:
             self.structured_outputs()  # refuse a bad response_format now, not in an actor
         self.sampling_params(0)  # SamplingParams' own checks on max_tokens, temperature, top_p, seed
@@ -92,6 +97,15 @@ class BatchConfig:
         seed = None if self.seed is None else row_seed(self.seed, row_id)
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               seed=seed, structured_outputs=self.structured_outputs())
+
+    def concurrent_batches(self) -> int:
+        """Batches an engine actor works on at once. The default keeps the engine's running batch
+        (max_num_seqs) full and one more batch queued behind it, so that the next batch's rows join
+        as the current one's finish instead of the engine draining at each batch's end."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        max_num_seqs = self.engine_kwargs.get("max_num_seqs", EngineConfig.max_num_seqs)
+        return min(_MAX_CONCURRENT_BATCHES, -(-max_num_seqs // self.batch_size) + 1)
 
     def llm_kwargs(self) -> dict[str, Any]:
         return dict(self.engine_kwargs, device=self.device, dtype=self.dtype,

@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from serve_app.batch import shards
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.inputs import check_input, filter_done, read_input, with_ids
-from serve_app.batch.processor import Processor
+from serve_app.batch.inputs import filter_done, read_checked
+from serve_app.batch.processor import CPU_STAGE_CPUS, Processor
 from serve_app.batch.stages import RowFn
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ class JobSummary:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_invalid: int = 0              # rows whose output failed the response_format (valid = false)
-    num_retries: int = 0              # batches retried after a failure
+    num_retries: int = 0              # engine-stage batch attempts beyond each batch's first: retried in
+                                      # its actor on a fresh engine, or re-run by Ray after its actor died
+    num_actor_restarts: int = 0       # engine actors Ray restarted after they died
     num_shards: int = 0               # shards written by this run
     check_s: float = 0.0              # reading, numbering and checking the input, before any engine
     first_shard_s: float = 0.0        # until the first shard was written (engine start-up included)
@@ -46,7 +48,8 @@ class JobSummary:
         tok_rate = self.num_generated_tokens / self.wall_s if self.wall_s else 0.0
         return (f"{self.num_rows} rows written ({self.num_skipped} already done), {self.num_prompt_tokens} prompt "
                 f"+ {self.num_generated_tokens} generated tokens, {self.num_invalid} invalid JSON rows, "
-                f"{self.num_retries} retried batches, {self.num_shards} shards, {self.wall_s:.1f} s "
+                f"{self.num_retries} batch retries ({self.num_actor_restarts} engine actor restarts), "
+                f"{self.num_shards} shards, {self.wall_s:.1f} s "
                 f"({self.check_s:.1f} s reading and checking the input; {rate:.2f} rows/s, "
                 f"{tok_rate:.1f} generated tokens/s)")
 
@@ -74,9 +77,8 @@ def run_job(config: BatchConfig, input_path: str, output: str, *, resume: bool =
     if existing and not resume:
         raise ValueError(f"the output directory {output} holds {len(existing)} shard(s) already: "
                          f"pass --resume to finish that job, or choose an empty directory")
-    ds = with_ids(read_input(input_path, input_format), config.id_column)
+    ds, num_input = read_checked(input_path, input_format, config, preprocess)
     config = dataclasses.replace(config, id_column=None)  # the ids are in the `id` column now
-    num_input = check_input(ds, config, preprocess, input_path)
     summary.check_s = time.monotonic() - start
     done: set[Any] = set()
     if resume:
@@ -85,10 +87,13 @@ def run_job(config: BatchConfig, input_path: str, output: str, *, resume: bool =
     summary.num_skipped = len(done)
     processor = Processor(config, preprocess, postprocess)
     out = processor.stages(filter_done(ds, done))  # checked above
-    written = out.map_batches(_write_batch, batch_format="pyarrow", batch_size=None,
+    # A quarter CPU, as postprocess: Ray Data's default of a whole CPU per task left the write
+    # tasks waiting for a CPU that the engine actor and the other stages held until the job's
+    # end, so every shard was written (and progress reported) in the last second.
+    written = out.map_batches(_write_batch, batch_format="pyarrow", batch_size=None, num_cpus=CPU_STAGE_CPUS,
                               fn_kwargs={"output": output, "fmt": output_format})
     _drive(written, summary, total=num_input - len(done), start=start, progress=progress)
-    summary.num_retries = processor.num_retries
+    summary.num_retries, summary.num_actor_restarts = processor.retry_counts()
     summary.wall_s = time.monotonic() - start
     return summary
 

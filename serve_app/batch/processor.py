@@ -24,15 +24,17 @@ from serve_app.batch.prompts import ID, check_columns
 from serve_app.batch.stages import EngineStage, RetryCounter, RowFn, postprocess_batch, preprocess_batch
 from serve_app.placement import resolve_device
 
-# Retries: an engine actor that dies (OOM-kill, a lost node) is restarted and its batch
+# Retries: an engine actor that dies (OOM-kill, a lost node) is restarted and its batches
 # resubmitted by Ray Data's defaults for actor pools (max_restarts=-1, max_task_retries=-1), and
 # a failed CPU task is retried by Ray; a Python exception in generation is retried inside the
-# actor on a fresh engine (EngineStage). Either way the batch, not the job, runs again.
+# actor on a fresh engine (EngineStage). Either way the batch, not the job, runs again. The
+# engine stage's re-runs are counted (RetryCounter: num_retries, num_actor_restarts); Ray's
+# retries of the CPU stages (a worker process that died) are not.
 
 # CPU stages (templates, tokenizing, JSON checks) are light: a quarter CPU each lets them run
 # beside engine actors that hold the node's CPUs. Differing from the engine actor's resources also
 # keeps Ray Data from fusing preprocessing into the engine actor, where it would stall generation.
-_CPU_STAGE_CPUS = 0.25
+CPU_STAGE_CPUS = 0.25
 
 
 class Processor:
@@ -68,13 +70,14 @@ class Processor:
         # (nor anything kept by a kill) until it all finished.
         ds = ds.repartition(target_num_rows_per_block=config.batch_size)
         ds = ds.map_batches(preprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
-                            num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "preprocess": self.preprocess})
+                            num_cpus=CPU_STAGE_CPUS, fn_kwargs={"config": config, "preprocess": self.preprocess})
         ds = ds.map_batches(EngineStage, batch_format="pyarrow", batch_size=config.batch_size,
-                            compute=ray.data.ActorPoolStrategy(size=config.num_replicas),
+                            compute=ray.data.ActorPoolStrategy(
+                                size=config.num_replicas, max_concurrent_calls_per_actor=config.concurrent_batches()),
                             fn_constructor_kwargs={"config": config, "retry_counter": self._retry_counter},
                             **self._actor_resources())
         return ds.map_batches(postprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
-                              num_cpus=_CPU_STAGE_CPUS, fn_kwargs={"config": config, "postprocess": self.postprocess})
+                              num_cpus=CPU_STAGE_CPUS, fn_kwargs={"config": config, "postprocess": self.postprocess})
 
     def _actor_resources(self) -> dict[str, Any]:
         if self.config.device == "cuda":
@@ -83,8 +86,16 @@ class Processor:
 
     @property
     def num_retries(self) -> int:
-        """Batches retried so far by this processor's engine actors."""
-        return 0 if self._retry_counter is None else ray.get(self._retry_counter.get.remote())
+        """Batch attempts beyond each batch's first so far (in-actor retries and Ray's re-runs)."""
+        return self.retry_counts()[0]
+
+    @property
+    def num_actor_restarts(self) -> int:
+        """Engine actors Ray restarted after they died."""
+        return self.retry_counts()[1]
+
+    def retry_counts(self) -> tuple[int, int]:
+        return (0, 0) if self._retry_counter is None else tuple(ray.get(self._retry_counter.get.remote()))
 
 
 def build_processor(config: BatchConfig, preprocess: RowFn | None = None,

@@ -1,7 +1,8 @@
 """The pipeline's stages, as Ray Data UDFs over pyarrow batches.
 
     preprocess   CPU tasks    user preprocess fn, prompt template / column, chat template, tokenize
-    generate     GPU actors   EngineStage: one engine.LLM per actor, a batch of rows per call
+    generate     GPU actors   EngineStage: one engine.AsyncLLM per actor, a batch of rows per call,
+                             several calls (batches) in one engine at once
     postprocess  CPU tasks    JSON validation (the guardrail's check_output), user postprocess fn
 
 Rows carry `id`, then `prompt` and `prompt_token_ids` after preprocess; generation replaces the
@@ -9,11 +10,15 @@ token ids with `text`, `num_prompt_tokens`, `num_generated_tokens` and `finish_r
 """
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import logging
 from typing import Any, Callable
 
 import pyarrow as pa
 
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import build_prompts, load_tokenizer
 from serve_app.guardrail_policy import GuardrailPolicy, check_output
@@ -66,60 +71,136 @@ def _checked(out: Any, name: str, row: dict[str, Any]) -> dict[str, Any]:
 
 
 class EngineStage:
-    """One engine per actor; each call generates one batch of rows with it.
+    """One engine.AsyncLLM per actor; each call generates one batch of rows with it.
+
+    The call is a coroutine, and the processor lets `max_concurrent_batches` calls run in one
+    actor at once: the next batch's requests wait in the engine's queue and join the running
+    batch as its sequences finish, so the engine's batch stays full across batch boundaries
+    (continuous batching), instead of draining at the end of every batch while Ray Data ships
+    the next one in and the last one out. Outputs do not depend on the batch around a row:
+    greedy is greedy, and a seeded row samples from its own generator (engine/sampler.py).
 
     A batch whose generation raises is retried up to `max_batch_retries` times on a fresh engine
-    (the failure may have left the old one in any state), and counted in `retry_counter`. An actor
-    that dies outright is restarted by Ray and its batch resubmitted (the actor's max_restarts /
-    max_task_retries, set by the processor).
+    (the failure may have left the old one in any state; batches that failed with the same
+    engine share one replacement), and counted in `retry_counter`. An actor that dies outright
+    is restarted by Ray and its batch resubmitted (the processor's actor options).
     """
 
     def __init__(self, config: BatchConfig, retry_counter=None):
         self.config = config
         self.retry_counter = retry_counter
+        if retry_counter is not None and _restarted_actor():
+            retry_counter.actor_restarted.remote()
         if config.device == "cpu":  # Ray's OMP_NUM_THREADS = num_cpus (1) would make it single-threaded
             use_cpu_threads(config.cpu_threads, config.tensor_parallel_size)
         self.llm = self._new_llm()
+        self._replacing: asyncio.Lock | None = None  # made on the event loop Ray Data runs the calls on
+
+    def __del__(self):
+        # Ray Data drops the UDF when the pool shuts down: stop the engine's step thread (and TP
+        # workers) before the interpreter goes, not while it is being torn down.
+        llm = self.__dict__.get("llm")
+        if llm is not None:
+            llm.shutdown()
 
     def _new_llm(self):
-        from engine import LLM
-        return LLM(self.config.model, **self.config.llm_kwargs())
+        from engine import AsyncLLM
+        llm = AsyncLLM(model=self.config.model, **self.config.llm_kwargs())
+        llm.engine.stats_log.enabled = False  # per-step stats are for serving's metrics; nobody reads them here
+        return llm
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         prompts = [{"prompt": r["prompt"], "prompt_token_ids": r.pop("prompt_token_ids")} for r in rows]
-        params = [self.config.sampling_params(r["id"]) for r in rows]
-        outputs = self._generate(prompts, params)
+        params = [_final_only(self.config.sampling_params(r["id"])) for r in rows]
+        if self.retry_counter is not None:  # a batch seen before is one Ray re-ran (its actor died);
+            # awaited, so that it is counted even if this actor dies the next moment
+            await self.retry_counter.batch_started.remote(batch_key([r["id"] for r in rows]))
+        outputs = await self._generate(prompts, params)
         for row, out in zip(rows, outputs):
             completion = out.outputs[0]
             row.update(text=completion.text, num_prompt_tokens=len(out.prompt_token_ids),
                        num_generated_tokens=len(completion.token_ids), finish_reason=completion.finish_reason)
         return to_table(rows)
 
-    def _generate(self, prompts, params):
+    async def _generate(self, prompts, params) -> list:
         for attempt in range(self.config.max_batch_retries + 1):
+            llm = self.llm
             try:
-                return self.llm.generate(prompts, params, use_tqdm=False)
-            except Exception:
+                async with asyncio.TaskGroup() as group:  # one request fails: the batch's others are aborted
+                    tasks = [group.create_task(_final_output(llm, p, sp)) for p, sp in zip(prompts, params)]
+                return [t.result() for t in tasks]
+            except Exception as e:  # noqa: BLE001 - a TaskGroup raises an ExceptionGroup
                 if attempt == self.config.max_batch_retries:
-                    raise
-                logger.exception("batch of %d rows failed (attempt %d); retrying on a fresh engine",
-                                 len(prompts), attempt + 1)
+                    raise _first_error(e) from None
+                logger.error("batch of %d rows failed (attempt %d); retrying on a fresh engine: %r",
+                             len(prompts), attempt + 1, _first_error(e))
                 if self.retry_counter is not None:
                     self.retry_counter.add.remote(1)
-                self.llm.llm_engine.shutdown()
-                self.llm = self._new_llm()
+                await self._replace(llm)
         raise AssertionError("unreachable")
+
+    async def _replace(self, failed) -> None:
+        """A fresh engine instead of `failed`, unless a batch that failed with it replaced it already."""
+        if self._replacing is None:
+            self._replacing = asyncio.Lock()
+        async with self._replacing:
+            if self.llm is failed:
+                await asyncio.to_thread(failed.shutdown)
+                self.llm = await asyncio.to_thread(self._new_llm)
+
+
+async def _final_output(llm, prompt, params):
+    final = None
+    async for out in llm.generate(prompt, params):
+        final = out
+    return final
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per row, when it finishes
+    return params
+
+
+def _first_error(e: BaseException) -> BaseException:
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
 
 
 class RetryCounter:
-    """How many batches were retried, across all engine actors (a Ray actor, made by the processor)."""
+    """Retries across all engine actors (a Ray actor, made by the processor).
+
+    `count`: batch attempts beyond each batch's first, whatever made them: a retry inside an
+    actor on a fresh engine (`add`), or Ray running a batch again after its actor died (seen
+    as a batch key that started before). `actor_restarts`: engine actors Ray restarted.
+    """
 
     def __init__(self):
         self.count = 0
+        self.actor_restarts = 0
+        self._started: set[str] = set()
 
     def add(self, n: int) -> None:
         self.count += n
 
-    def get(self) -> int:
-        return self.count
+    def batch_started(self, key: str) -> None:
+        if key in self._started:
+            self.count += 1
+        self._started.add(key)
+
+    def actor_restarted(self) -> None:
+        self.actor_restarts += 1
+
+    def get(self) -> tuple[int, int]:
+        return self.count, self.actor_restarts
+
+
+def batch_key(ids: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(ids, default=str).encode()).hexdigest()[:16]
+
+
+def _restarted_actor() -> bool:
+    """Whether this process is an engine actor that Ray restarted after it died."""
+    import ray
+    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
