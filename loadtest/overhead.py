@@ -48,6 +48,16 @@ def make_requests(num: int, input_len: int, output_len: int, vocab_size: int, se
     return [BenchRequest([rng.randrange(3, vocab_size) for _ in range(input_len)], output_len) for _ in range(num)]
 
 
+def make_workload(args: argparse.Namespace, vocab_size: int):
+    """run -> (requests, TTFT requests): one shape, fresh random ids per run. Runs on one app must
+    not share prompts: its prefix cache would let the later run skip its prefill."""
+    def workload(run: int) -> tuple[list[BenchRequest], list[BenchRequest]]:
+        seed = args.seed + 1000 * run
+        return (make_requests(args.num_requests, args.input_len, args.output_len, vocab_size, seed),
+                make_requests(args.num_ttft_requests, args.input_len, args.output_len, vocab_size, seed + 1))
+    return workload
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -135,8 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     import json
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    requests = make_requests(args.num_requests, args.input_len, args.output_len, vocab, args.seed)
-    ttft_requests = make_requests(args.num_ttft_requests, args.input_len, args.output_len, vocab, args.seed + 1)
+    workload = make_workload(args, vocab)
+    requests, ttft_requests = workload(0)
     report = base_metadata(["python", "-m", "loadtest.overhead", *argv])
     report["workload"] = {k: getattr(args, k) for k in ("concurrency", "num_requests", "num_ttft_requests",
                                                          "input_len", "output_len", "device", "dtype", "seed")}
@@ -144,9 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     kwargs = engine_kwargs(args, Path(model))
     runners = {"offline": lambda: {"offline": run_offline(kwargs, requests)},
                "async": lambda: {"async": asyncio.run(run_async(kwargs, requests, ttft_requests, args.concurrency))},
-               "serve": lambda: run_serve(kwargs, requests, ttft_requests, args.concurrency, dict(args.serve_arg),
+               "serve": lambda: run_serve(kwargs, workload, args.concurrency, dict(args.serve_arg),
                                           args.stream_interval_ms),
-               "serve_pyproxy": lambda: run_serve(kwargs, requests, ttft_requests, args.concurrency,
+               "serve_pyproxy": lambda: run_serve(kwargs, workload, args.concurrency,
                                                   dict(args.serve_arg), args.stream_interval_ms, high_throughput=False)}
     for path in args.paths:
         start = time.perf_counter()

@@ -5,6 +5,7 @@ import asyncio
 import os
 import re
 import time
+from typing import Callable
 
 from loadtest.proc_cpu import difference, snapshot
 from loadtest.report import Stopwatch
@@ -15,7 +16,9 @@ SERVED_NAME = "bench"
 
 
 def _warmup(requests: list[BenchRequest]) -> list[BenchRequest]:
-    return [BenchRequest(r.prompt_token_ids, min(r.max_tokens, 4)) for r in requests[:2]]
+    """Two short requests of the same prompt length; their ids reversed, so the measured requests
+    find nothing of theirs in the prefix cache."""
+    return [BenchRequest(r.prompt_token_ids[::-1], min(r.max_tokens, 4)) for r in requests[:2]]
 
 
 def _result(num_tokens: int, wall_s: float, cpu_s: float, **extra) -> dict:
@@ -163,14 +166,16 @@ async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> 
                    messages_per_token=messages_per_token(chunks0, chunks))
 
 
-def run_serve(kwargs: dict, requests: list[BenchRequest], ttft_requests: list[BenchRequest], concurrency: int,
+def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concurrency: int,
               extra_args: dict, stream_intervals_ms: list[float] | None = None,
               high_throughput: bool = True) -> dict[str, dict]:
     """{path name: result}: "serve", or one "serve_<X>ms" per stream interval, all on one running app.
 
     Each interval is applied with the EngineDeployment's reconfigure() (what a user_config
-    change does), so a sweep pays for one cluster and one model load. high_throughput=False:
-    behind Serve's Python proxy instead of HAProxy (names end in "_pyproxy").
+    change does), so a sweep pays for one cluster and one model load. Sweep point k runs
+    `workload(k)`: the same shape, fresh prompts, because the app's prefix cache still holds
+    the previous point's (reusing them made later points skip their prefill: 1.3x offline).
+    high_throughput=False: behind Serve's Python proxy instead of HAProxy (names end in "_pyproxy").
     """
     from serve_app.local import local_server, reconfigure_engine
 
@@ -178,7 +183,8 @@ def run_serve(kwargs: dict, requests: list[BenchRequest], ttft_requests: list[Be
     results = {}
     suffix = "" if high_throughput else "_pyproxy"
     with local_server(args, high_throughput=high_throughput) as url:
-        for interval in stream_intervals_ms or [None]:
+        for k, interval in enumerate(stream_intervals_ms or [None]):
+            requests, ttft_requests = workload(k)
             name = "serve" + suffix
             if interval is not None:
                 reconfigure_engine({"stream_interval_ms": interval})

@@ -55,3 +55,16 @@ def test_offline_and_async_end_to_end(tiny_llama, tmp_path):
     assert set(paths) == {"offline", "async"} == set(report["paths"])
     assert paths["offline"]["num_tokens"] == paths["async"]["num_tokens"] == 16  # every token counted
     assert paths["async"]["ttft_c1_p50_ms"] > 0 and paths["async"]["tokens_per_s"] > 0
+
+
+def test_sweep_runs_and_warmups_share_no_prompt():
+    """A sweep reuses one running app: a later run must not find its prompts in the prefix cache."""
+    from loadtest.overhead_paths import _warmup
+
+    args = overhead.parse_args(["--num-requests", "8", "--num-ttft-requests", "2", "--input-len", "16"])
+    workload = overhead.make_workload(args, vocab_size=1000)
+    prompts = [tuple(r.prompt_token_ids) for run in range(3) for part in workload(run) for r in part]
+    prompts += [tuple(r.prompt_token_ids) for run in range(3) for r in _warmup(workload(run)[0])]
+    assert len(prompts) == 3 * (8 + 2 + 2)
+    assert len({p[:16] for p in prompts}) == len(prompts)  # not even a first block in common
+    assert workload(0)[0][0].prompt_token_ids == workload(0)[0][0].prompt_token_ids  # deterministic
