@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -24,8 +23,6 @@ from pathlib import Path
 
 from loadtest.report import base_metadata, format_table, write_json
 from loadtest.workload import make_word_prompts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def progress(message: str) -> None:
@@ -50,10 +47,8 @@ def run_batch(model: str, src: str, out: str, max_tokens: int, batch_size: int):
     import ray
 
     from serve_app.batch import BatchConfig, run_job, shards
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    from serve_app.batch.cluster import init_ray
+    init_ray("local")  # as the CLI starts its cluster
     try:
         config = BatchConfig(model=model, device="cpu", max_tokens=max_tokens, batch_size=batch_size)
         summary = run_job(config, src, out, progress=False)

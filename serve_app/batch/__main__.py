@@ -10,9 +10,6 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
-
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,12 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
+    from serve_app.batch.cluster import init_ray
     from serve_app.batch.job import run_job
-    # Workers import serve_app from this checkout even when the package is not installed.
-    path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address=args.address, log_to_driver=False, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
-    ray.data.DataContext.get_current().enable_progress_bars = False  # ours counts rows and tokens
+    init_ray(args.address)
     # After ray.init, which installs its own handler: shut the cluster down cleanly, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
