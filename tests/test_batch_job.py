@@ -170,9 +170,19 @@ def test_bad_input_fails_fast_naming_it(ray_cluster, tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="id 1 appears more than once"):
         run_job(BatchConfig(model=tiny_llama, template="{{ title }}", id_column="k"), src, str(out), progress=False)
     assert not out.exists()  # nothing generated
+    _assert_engines_stopped()
     shards.write_shard(str(out), __import__("pyarrow").table({"id": [0]}), "jsonl")
     with pytest.raises(ValueError, match="holds 1 shard.*--resume"):
         run_job(config, src, str(out), progress=False)
+
+
+def _assert_engines_stopped():
+    """The engine actors a job started (while it checked its input) hold no CPU after it ended."""
+    import ray
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
 
 def _cli(model, src, out, *extra):

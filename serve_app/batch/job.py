@@ -8,14 +8,17 @@ it prints at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import ray
+from ray.data import ExecutionResources
 from tqdm.auto import tqdm
 
 from serve_app.batch import shards
@@ -77,25 +80,52 @@ def run_job(config: BatchConfig, input_path: str, output: str, *, resume: bool =
     if existing and not resume:
         raise ValueError(f"the output directory {output} holds {len(existing)} shard(s) already: "
                          f"pass --resume to finish that job, or choose an empty directory")
-    ds, num_input = read_checked(input_path, input_format, config, preprocess)
-    config = dataclasses.replace(config, id_column=None)  # the ids are in the `id` column now
-    summary.check_s = time.monotonic() - start
-    done: set[Any] = set()
-    if resume:
-        shards.remove_temporaries(output)
-        done = shards.done_ids(output)
-    summary.num_skipped = len(done)
-    processor = Processor(config, preprocess, postprocess)
-    out = processor.stages(filter_done(ds, done))  # checked above
-    # A quarter CPU, as postprocess: Ray Data's default of a whole CPU per task left the write
-    # tasks waiting for a CPU that the engine actor and the other stages held until the job's
-    # end, so every shard was written (and progress reported) in the last second.
-    written = out.map_batches(_write_batch, batch_format="pyarrow", batch_size=None, num_cpus=CPU_STAGE_CPUS,
-                              fn_kwargs={"output": output, "fmt": output_format})
-    _drive(written, summary, total=num_input - len(done), start=start, progress=progress)
-    summary.num_retries, summary.num_actor_restarts = processor.retry_counts()
+    # The engine actors start loading the model now, while the input is read and checked; they
+    # get no row before every row passed, and they are stopped however the job ends.
+    processor = Processor(dataclasses.replace(config, id_column=None), preprocess, postprocess)
+    processor.start_engines()
+    try:
+        ds, num_input = read_checked(input_path, input_format, config, preprocess)
+        summary.check_s = time.monotonic() - start
+        done: set[Any] = set()
+        if resume:
+            shards.remove_temporaries(output)
+            done = shards.done_ids(output)
+        summary.num_skipped = len(done)
+        out = processor.stages(filter_done(ds, done))  # the ids are in the `id` column now, checked
+        # A quarter CPU, as postprocess: Ray Data's default of a whole CPU per task left the write
+        # tasks waiting for a CPU that the engine actor and the other stages held until the job's
+        # end, so every shard was written (and progress reported) in the last second.
+        written = out.map_batches(_write_batch, batch_format="pyarrow", batch_size=None, num_cpus=CPU_STAGE_CPUS,
+                                  fn_kwargs={"output": output, "fmt": output_format})
+        with _excluded(processor.engine_resources()):
+            _drive(written, summary, total=num_input - len(done), start=start, progress=progress)
+        summary.num_retries, summary.num_actor_restarts = processor.retry_counts()
+    finally:
+        processor.shutdown()
     summary.wall_s = time.monotonic() - start
     return summary
+
+
+@contextlib.contextmanager
+def _excluded(resources: dict[str, float]):
+    """Ray Data's budget without what the engine actors hold: they are not in its pipeline.
+
+    Ray 2.60 deprecates exclude_resources for label selectors, which cannot say "these CPUs are
+    held by actors outside the pipeline"; resource_limits could, but would freeze the budget at
+    the cluster's size now, which an autoscaling cluster outgrows.
+    """
+    options = ray.data.DataContext.get_current().execution_options
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        saved = options.exclude_resources
+        options.exclude_resources = saved.add(ExecutionResources(**resources))
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            options.exclude_resources = saved
 
 
 def _drive(written: ray.data.Dataset, summary: JobSummary, total: int, start: float, progress: bool) -> None:

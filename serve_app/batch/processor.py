@@ -21,19 +21,19 @@ import ray
 
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, check_columns
-from serve_app.batch.stages import EngineStage, RetryCounter, RowFn, postprocess_batch, preprocess_batch
+from serve_app.batch.stages import EngineClient, EngineStage, RetryCounter, RowFn, postprocess_batch, preprocess_batch
 from serve_app.placement import resolve_device
 
 # Retries: an engine actor that dies (OOM-kill, a lost node) is restarted and its batches
-# resubmitted by Ray Data's defaults for actor pools (max_restarts=-1, max_task_retries=-1), and
-# a failed CPU task is retried by Ray; a Python exception in generation is retried inside the
-# actor on a fresh engine (EngineStage). Either way the batch, not the job, runs again. The
-# engine stage's re-runs are counted (RetryCounter: num_retries, num_actor_restarts); Ray's
-# retries of the CPU stages (a worker process that died) are not.
+# resubmitted by Ray (the engine actors' max_restarts=-1, max_task_retries=-1, as Ray Data's
+# actor pools have), and a failed CPU task is retried by Ray; a Python exception in generation is
+# retried inside the actor on a fresh engine (EngineStage). Either way the batch, not the job,
+# runs again. The engine stage's re-runs are counted (RetryCounter: num_retries,
+# num_actor_restarts); Ray's retries of the CPU stages (a worker process that died) are not.
 
 # CPU stages (templates, tokenizing, JSON checks) are light: a quarter CPU each lets them run
-# beside engine actors that hold the node's CPUs. Differing from the engine actor's resources also
-# keeps Ray Data from fusing preprocessing into the engine actor, where it would stall generation.
+# beside engine actors that hold the node's CPUs. Differing from the engine client's (none) also
+# keeps Ray Data from fusing preprocessing into the client actor, where it would stall its calls.
 CPU_STAGE_CPUS = 0.25
 
 
@@ -44,6 +44,7 @@ class Processor:
         self.preprocess = preprocess
         self.postprocess = postprocess
         self._retry_counter = None
+        self._engines: list = []
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         config = self.config
@@ -60,22 +61,44 @@ class Processor:
             check_columns(config, columns, "the input")
         return self.stages(ds)
 
+    def start_engines(self) -> None:
+        """Start the engine actors (num_replicas) now, if they are not running: they import torch and
+        load the model while the caller goes on (run_job reads and checks its input meanwhile).
+        They run until `shutdown`, or until this processor and its pipelines are gone."""
+        if self._engines:
+            return
+        if self._retry_counter is None:
+            self._retry_counter = ray.remote(num_cpus=0)(RetryCounter).remote()
+        engine = ray.remote(EngineStage).options(max_restarts=-1, max_task_retries=-1, **self._actor_resources())
+        self._engines = [engine.remote(self.config, self._retry_counter) for _ in range(self.config.num_replicas)]
+
+    def shutdown(self) -> None:
+        """Stop the engine actors (what `stages` built cannot run after this)."""
+        for engine in self._engines:
+            ray.kill(engine, no_restart=True)
+        self._engines = []
+
+    def engine_resources(self) -> dict[str, float]:
+        """What the engine actors hold, which Ray Data's budget for the other stages leaves out."""
+        resources = self._actor_resources()
+        return {"cpu": resources["num_cpus"] * self.config.num_replicas,
+                "gpu": resources.get("num_gpus", 0) * self.config.num_replicas}
+
     def stages(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         """The pipeline over a Dataset that has an `id` column and was checked already (run_job)."""
         config = self.config
-        if self._retry_counter is None:
-            self._retry_counter = ray.remote(num_cpus=0)(RetryCounter).remote()
+        self.start_engines()
         # Blocks of batch_size rows: a map task emits its output block only when it ends, so one
         # input block of 100k rows would be one engine call sequence, one shard, and no progress
         # (nor anything kept by a kill) until it all finished.
         ds = ds.repartition(target_num_rows_per_block=config.batch_size)
         ds = ds.map_batches(preprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
                             num_cpus=CPU_STAGE_CPUS, fn_kwargs={"config": config, "preprocess": self.preprocess})
-        ds = ds.map_batches(EngineStage, batch_format="pyarrow", batch_size=config.batch_size,
-                            compute=ray.data.ActorPoolStrategy(
-                                size=config.num_replicas, max_concurrent_calls_per_actor=config.concurrent_batches()),
-                            fn_constructor_kwargs={"config": config, "retry_counter": self._retry_counter},
-                            **self._actor_resources())
+        # One light client actor hands each batch to an engine actor, up to concurrent_batches per engine.
+        calls = len(self._engines) * config.concurrent_batches()
+        ds = ds.map_batches(EngineClient, batch_format="pyarrow", batch_size=config.batch_size, num_cpus=0,
+                            compute=ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=calls),
+                            fn_constructor_kwargs={"engines": self._engines})
         return ds.map_batches(postprocess_batch, batch_format="pyarrow", batch_size=config.batch_size,
                               num_cpus=CPU_STAGE_CPUS, fn_kwargs={"config": config, "postprocess": self.postprocess})
 
