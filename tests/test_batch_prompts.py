@@ -2,7 +2,7 @@
 import pytest
 
 from serve_app.batch.config import BatchConfig, row_seed
-from serve_app.batch.prompts import build_prompts, check_columns, load_tokenizer, render_prompt
+from serve_app.batch.prompts import build_prompts, check_columns, load_tokenizer, render_prompt, tokenize_prompts
 
 
 def test_template_renders_the_rows_columns(tiny_llama):
@@ -31,12 +31,14 @@ def test_bad_template_and_empty_prompt_are_refused(tiny_llama):
 
 def test_prompts_tokenize_as_the_engine_does(tiny_qwen2):
     tok = load_tokenizer(tiny_qwen2)
-    plain = build_prompts(BatchConfig(model=tiny_qwen2), tok, [{"id": 0, "prompt": "hello there"}])[0]
-    assert plain["prompt_token_ids"] == tok.encode("hello there")
-    chat = build_prompts(BatchConfig(model=tiny_qwen2, chat=True), tok, [{"id": 0, "prompt": "hi"}])[0]
+    config = BatchConfig(model=tiny_qwen2)
+    plain = build_prompts(config, None, [{"id": 0, "prompt": "hello there"}])  # no chat: no tokenizer needed
+    assert tokenize_prompts(config, tok, plain) == [tok.encode("hello there")]
+    config = BatchConfig(model=tiny_qwen2, chat=True)
+    chat = build_prompts(config, tok, [{"id": 0, "prompt": "hi"}])
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert chat["prompt"] == text
-    assert chat["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+    assert chat[0]["prompt"] == text
+    assert tokenize_prompts(config, tok, chat) == [tok.encode(text, add_special_tokens=False)]
 
 
 def test_config_refuses_bad_values(tiny_llama):

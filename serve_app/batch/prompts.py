@@ -1,5 +1,5 @@
-"""Rows to prompts on CPU: render the template (or take the prompt column), apply the chat
-template, tokenize. Pure functions of (config, tokenizer, rows): tested without Ray.
+"""Rows to prompts: render the template (or take the prompt column), apply the chat template
+(CPU stages); tokenize (the engine stage). Pure functions of (config, tokenizer, rows): tested without Ray.
 
 Every problem with a row raises `ValueError` naming the row's id and what is wrong with it, so
 a job can check all of its input before any engine starts.
@@ -79,22 +79,26 @@ def to_chat(tokenizer, prompts: list[str]) -> list[str]:
 
 
 def build_prompts(config: BatchConfig, tokenizer, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with `prompt` (the text the model sees) and `prompt_token_ids` added.
-
-    Tokenized in one call per batch. A chat-rendered prompt holds its special tokens already, so
-    it is encoded without adding any (as engine.LLM.chat does); a plain prompt gets them, as
-    engine.LLM.generate(str) does.
-    """
+    """Rows with `prompt` (the text the model sees) added. The tokenizer is needed for config.chat
+    only (its chat template); the engine stage tokenizes (tokenize_prompts), so that the CPU
+    stages' workers need not import transformers, which imports torch (5 s of CPU per worker
+    process on the 2-core box, more than tokenizing 1024 prompts takes: 0.15 s)."""
     texts = [render_prompt(config, row) for row in rows]
     if config.chat:
         texts = to_chat(tokenizer, texts)
+    return [{**_keep_inputs(row, text), "prompt": text} for row, text in zip(rows, texts)]
+
+
+def tokenize_prompts(config: BatchConfig, tokenizer, rows: list[dict[str, Any]]) -> list[list[int]]:
+    """Each row's `prompt` as token ids, in one call per batch, as engine.LLM tokenizes: a
+    chat-rendered prompt holds its special tokens already, so it is encoded without adding any
+    (as engine.LLM.chat does); a plain prompt gets them, as engine.LLM.generate(str) does."""
+    texts = [row["prompt"] for row in rows]
     ids = tokenizer(texts, add_special_tokens=not config.chat)["input_ids"] if texts else []
-    out = []
-    for row, text, token_ids in zip(rows, texts, ids):
+    for row, token_ids in zip(rows, ids):
         if not token_ids:
             raise ValueError(f"row id={row.get(ID)!r}: the prompt is empty (0 tokens)")
-        out.append({**_keep_inputs(row, text), "prompt": text, "prompt_token_ids": list(token_ids)})
-    return out
+    return [list(token_ids) for token_ids in ids]
 
 
 def _keep_inputs(row: dict[str, Any], prompt: str) -> dict[str, Any]:

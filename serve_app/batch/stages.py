@@ -1,13 +1,14 @@
 """The pipeline's stages, as Ray Data UDFs over pyarrow batches.
 
-    preprocess   CPU tasks    user preprocess fn, prompt template / column, chat template, tokenize
+    preprocess   CPU tasks    user preprocess fn, prompt template / column, chat template
     generate     GPU actors   EngineStage: one engine.AsyncLLM per actor, a batch of rows per call,
                              several calls (batches) in one engine at once; the processor starts
                              these actors itself and Ray Data reaches them through EngineClient
     postprocess  CPU tasks    JSON validation (the guardrail's check_output), user postprocess fn
 
-Rows carry `id`, then `prompt` and `prompt_token_ids` after preprocess; generation replaces the
-token ids with `text`, `num_prompt_tokens`, `num_generated_tokens` and `finish_reason`.
+Rows carry `id`, then `prompt` after preprocess; generation tokenizes it (with the engine's
+tokenizer, loaded there anyway) and adds `text`, `num_prompt_tokens`, `num_generated_tokens` and
+`finish_reason`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pyarrow as pa
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.prompts import build_prompts, load_tokenizer
+from serve_app.batch.prompts import build_prompts, load_tokenizer, tokenize_prompts
 from serve_app.guardrail_policy import GuardrailPolicy, check_output
 from serve_app.placement import use_cpu_threads
 
@@ -46,7 +47,8 @@ def preprocess_batch(batch: pa.Table, config: BatchConfig, preprocess: RowFn | N
     rows = batch.to_pylist()
     if preprocess is not None:
         rows = [_checked(preprocess(dict(row)), "preprocess", row) for row in rows]
-    return to_table(build_prompts(config, load_tokenizer(config.model), rows))
+    tokenizer = load_tokenizer(config.model) if config.chat else None  # the chat template's
+    return to_table(build_prompts(config, tokenizer, rows))
 
 
 def postprocess_batch(batch: pa.Table, config: BatchConfig, postprocess: RowFn | None) -> pa.Table:
@@ -112,7 +114,9 @@ class EngineStage:
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
-        prompts = [{"prompt": r["prompt"], "prompt_token_ids": r.pop("prompt_token_ids")} for r in rows]
+        # Before the retries: a row that tokenizes to nothing fails its batch on any engine.
+        token_ids = tokenize_prompts(self.config, self.llm.tokenizer, rows)
+        prompts = [{"prompt": r["prompt"], "prompt_token_ids": ids} for r, ids in zip(rows, token_ids)]
         params = [_final_only(self.config.sampling_params(r["id"])) for r in rows]
         if self.retry_counter is not None:  # a batch seen before is one Ray re-ran (its actor died);
             # awaited, so that it is counted even if this actor dies the next moment
