@@ -31,7 +31,7 @@ from serve_app.placement import resolve_device
 # runs again. The engine stage's re-runs are counted (RetryCounter: num_retries,
 # num_actor_restarts); Ray's retries of the CPU stages (a worker process that died) are not.
 
-# CPU stages (templates, tokenizing, JSON checks) are light: a quarter CPU each lets them run
+# CPU stages (templates, chat templates, JSON checks) are light: a quarter CPU each lets them run
 # beside engine actors that hold the node's CPUs. Differing from the engine client's (none) also
 # keeps Ray Data from fusing preprocessing into the client actor, where it would stall its calls.
 CPU_STAGE_CPUS = 0.25
