@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ import weakref
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
+from engine.core_proc import EngineCoreClient
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.output_collector import RequestOutputCollector
@@ -42,9 +44,10 @@ class AsyncLLM:
     (the step thread holds only a weak reference). A TP worker that dies fails every waiter
     with EngineDeadError at once, from the executor's watcher thread, and check_health raises."""
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any):
+    def __init__(self, config: EngineConfig | None = None, *, engine_process: bool = False, **kwargs: Any):
+        """engine_process: run the step loop in a process of its own (engine/core_proc.py), out
+        of this interpreter's GIL; `engine` is then None. Default: a thread of this process."""
         config = config or EngineConfig(**kwargs)
-        self.engine = LLMEngine(config)
         self._pending: collections.deque = collections.deque()  # ("add", state) | ("abort", request_id)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, RequestOutputCollector]] = {}
         self._wakeup = threading.Event()
@@ -52,10 +55,20 @@ class AsyncLLM:
         self._error: BaseException | None = None
         # Per-step observations (engine/stats.py), handed from the step thread to whoever exports
         # metrics (pop_iteration_stats); bounded, so nobody draining costs a fixed amount of memory.
-        self.engine.stats_log.enabled = True
         self._iteration_stats: collections.deque[IterationStats] = collections.deque(maxlen=4096)
-        self._stats = self.engine.get_stats()
         ref = weakref.ref(self)
+        self._core: EngineCoreClient | None = None
+        if engine_process:
+            self.engine = None
+            self._core = EngineCoreClient(config, _torch_threads(),
+                                          on_outputs=lambda *a: _call_if_alive(ref, "_on_core_outputs", *a),
+                                          on_dead=lambda e: _call_if_alive(ref, "_die", e))
+            self._stats: dict[str, float] = {}
+            self._finalizer = weakref.finalize(self, self._core.close)
+            return
+        self.engine = LLMEngine(config)
+        self.engine.stats_log.enabled = True
+        self._stats = self.engine.get_stats()
         self.engine.executor.set_failure_callback(lambda e: _call_if_alive(ref, "_die", e))
         self._thread = threading.Thread(target=AsyncLLM._loop, args=(ref,), name="engine-step-loop", daemon=True)
         self._finalizer = weakref.finalize(self, _stop_engine, self._pending, self._wakeup, self.engine)
@@ -75,19 +88,36 @@ class AsyncLLM:
 
     @property
     def tokenizer(self):
+        if self._core is not None:
+            raise AttributeError("AsyncLLM(engine_process=True) holds no tokenizer: the engine process does")
         return self.engine.tokenizer
 
     @property
     def model_config(self):
-        return self.engine.model_config
+        return self._core.info.model_config if self._core is not None else self.engine.model_config
 
     @property
     def engine_config(self) -> EngineConfig:
-        return self.engine.config
+        return self._core.info.engine_config if self._core is not None else self.engine.config
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The TP worker processes' pids (none for a single-process engine)."""
+        if self._core is not None:
+            return list(self._core.info.worker_pids)
+        return list(getattr(self.engine.executor, "worker_pids", []))
+
+    @property
+    def engine_pid(self) -> int:
+        """The pid of the process that runs the step loop."""
+        return self._core.info.pid if self._core is not None else os.getpid()
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None and not self._stop
+        return self._loop_alive() and self._error is None and not self._stop
+
+    def _loop_alive(self) -> bool:
+        return self._core.is_alive() if self._core is not None else self._thread.is_alive()
 
     # -- public API -------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -104,7 +134,9 @@ class AsyncLLM:
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
-        if params.structured_outputs is not None:  # grammar compilation may take a while: not on the loop
+        if self._core is not None:  # validated in the engine process: an error is the request's output
+            state = (request_id, prompt, params)
+        elif params.structured_outputs is not None:  # grammar compilation may take a while: not on the loop
             state = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params)
         else:
             state = self.engine.make_request(request_id, prompt, params)
@@ -153,6 +185,11 @@ class AsyncLLM:
         engine (TP workers, process group). Idempotent."""
         for request_id in list(self._waiters):
             self._submit(("abort", request_id))
+        if self._core is not None:
+            self._stop = True
+            self._core.close(timeout)  # the aborts above go first: the child applies them, then stops
+            self._fail_all(EngineDeadError("the engine has been shut down"))
+            return
         self._submit(("stop", None))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -165,13 +202,29 @@ class AsyncLLM:
 
     # -- the step thread ------------------------------------------------------------
     def _submit(self, item) -> None:
+        if self._core is not None:
+            try:
+                self._core.send(item)
+            except (OSError, ValueError):  # the pipe is closed: the engine process is gone
+                if item[0] == "add":
+                    self._waiters.pop(item[1][0], None)
+                    self._raise_if_dead()
+                    raise EngineDeadError("the engine process is gone") from None
+            return
         self._pending.append(item)
         self._wakeup.set()
+
+    def _on_core_outputs(self, pairs: list, stats: dict, iteration_stats: list) -> None:
+        """From the engine process's reader thread: what the step thread delivers in-process."""
+        self._iteration_stats.extend(iteration_stats)
+        self._stats = stats
+        if pairs:
+            self._deliver(pairs)
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine loop died: {self._error!r}") from self._error
-        if self._stop or not self._thread.is_alive():
+        if self._stop or not self._loop_alive():
             raise EngineDeadError("the engine has been shut down")
 
     @staticmethod
@@ -250,7 +303,8 @@ class AsyncLLM:
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-                self._pending.extend(("abort", request_id) for request_id, _, _ in batch)
+                for request_id, _, _ in batch:
+                    self._submit(("abort", request_id))
 
     def _deliver_one(self, request_id: str, item) -> None:
         self._deliver([(request_id, item)])
@@ -263,6 +317,12 @@ def _call_if_alive(ref: weakref.ref, method: str, *args) -> None:
     obj = ref()
     if obj is not None:
         getattr(obj, method)(*args)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _stop_engine(pending: collections.deque, wakeup: threading.Event, engine: LLMEngine) -> None:

@@ -158,7 +158,8 @@ async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> 
         chunks = chunk_counters((await client.get(url + "/metrics")).text)
     step_cpu = stats.get("step_thread_cpu_s", 0.0) - stats0.get("step_thread_cpu_s", 0.0)
     cpu["engine_step_thread"] = step_cpu
-    cpu["engine_replica"] = max(cpu.get("engine_replica", 0.0) - step_cpu, 0.0)  # the rest of that process
+    engine = "engine_core" if "engine_core" in cpu else "engine_replica"  # the process the step loop runs in
+    cpu[engine] = max(cpu.get(engine, 0.0) - step_cpu, 0.0)  # the rest of that process
     num_tokens = sum(r.output_tokens for r in records)
     return _result(num_tokens, wall, sum(cpu.values()), ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3,
                    ttft_s=summarize([r.ttft for r in records]), e2e_s=summarize([r.e2e for r in records]),

@@ -121,6 +121,10 @@ class AppArgs(_DeclaredElsewhere):
     # to the actor's num_cpus (1), which made the served engine single-threaded: 0.46 of the
     # engine's offline speed (docs/benchmarks.md). None: every core the replica may run on.
     engine_cpu_threads: int | None = Field(None, ge=1)
+    # The engine's step loop in a process of its own (engine/core_proc.py), out of the replica's
+    # GIL, which Ray's request machinery shares: in-process the step thread waited for it ~15% of
+    # the time on the CPU box (docs/benchmarks.md). False: a thread of the replica, as before.
+    engine_process: bool = True
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.routing);
     # "power_of_two": Serve's default, a choice per request.
     request_router: Literal["batch_affinity", "power_of_two"] = "batch_affinity"

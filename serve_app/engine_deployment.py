@@ -46,7 +46,7 @@ class EngineDeployment:
             expose_bundle_gpus(args.tensor_parallel_size)
         else:
             self._cpu_threads = use_cpu_threads(args.engine_cpu_threads, args.tensor_parallel_size)
-        self.llm = AsyncLLM(args.engine_config(device))
+        self.llm = AsyncLLM(args.engine_config(device), engine_process=args.engine_process)
         self._shutting_down = False
         self._replica = _replica_tag()
         self.streaming = args.streaming()  # reconfigure() replaces it when user_config is set
@@ -114,7 +114,7 @@ class EngineDeployment:
             self.llm.inject_step_error_for_testing(RuntimeError("fault injected by a test"))
         elif op != "pids":
             raise ValueError(f"unknown fault injection op {op!r}")
-        return {"replica": os.getpid(), "tp_workers": list(getattr(self.llm.engine.executor, "worker_pids", []))}
+        return {"replica": os.getpid(), "engine": self.llm.engine_pid, "tp_workers": self.llm.worker_pids}
 
     def __del__(self):
         # Serve calls this after graceful_shutdown_timeout_s of draining; what is still in

@@ -142,6 +142,8 @@ def test_clients_dropping_before_the_first_byte_leave_the_service_at_rest(base_u
 def _inject(fault: str, pids: dict) -> None:
     if fault == "kill_engine_replica":
         os.kill(pids["replica"], signal.SIGKILL)
+    elif fault == "kill_engine_process":
+        os.kill(pids["engine"], signal.SIGKILL)
     elif fault == "kill_tp_worker":
         os.kill(pids["tp_workers"][0], signal.SIGKILL)
     else:
@@ -157,11 +159,11 @@ def _gone(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-@pytest.mark.parametrize("fault", ["kill_engine_replica", "kill_tp_worker", "step_error"])
+@pytest.mark.parametrize("fault", ["kill_engine_replica", "kill_engine_process", "kill_tp_worker", "step_error"])
 def test_fault_mid_stream_ends_every_request_and_serve_replaces_the_replica(base_url, fault):
     _wait_serving(base_url)
     pids = call_deployment("EngineDeployment", "fault_injection_for_testing", "pids")
-    assert len(pids["tp_workers"]) == 1
+    assert len(pids["tp_workers"]) == 1 and pids["engine"] != pids["replica"]  # the step loop's own process
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
@@ -184,7 +186,7 @@ def test_fault_mid_stream_ends_every_request_and_serve_replaces_the_replica(base
     new = call_deployment("EngineDeployment", "fault_injection_for_testing", "pids")
     assert new["replica"] != pids["replica"]
     deadline = time.monotonic() + 15
-    while not all(_gone(p) for p in [pids["replica"], *pids["tp_workers"]]):
-        assert time.monotonic() < deadline, "the old replica or its TP worker is still running"
+    while not all(_gone(p) for p in [pids["replica"], pids["engine"], *pids["tp_workers"]]):
+        assert time.monotonic() < deadline, "the old replica, its engine process or its TP worker is still running"
         time.sleep(0.2)
     _wait_at_rest()
