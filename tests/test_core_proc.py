@@ -102,13 +102,17 @@ def test_a_closed_stream_is_aborted_in_the_engine_process(proc_llm):
     asyncio.run(main())
 
 
-def test_killed_engine_process_fails_every_waiter(proc_llm):
+@pytest.mark.parametrize("fault, message", [("kill", "exited"), ("step_error", "injected in the step loop")])
+def test_a_dead_engine_process_fails_every_waiter(proc_llm, fault, message):
     async def main():
         params = SamplingParams(max_tokens=400, **DELTA)
         streams = [proc_llm.generate(f"p{i}", params, f"r{i}") for i in range(2)]
         for s in streams:
-            await s.__anext__()
-        os.kill(proc_llm.engine_pid, signal.SIGKILL)
+            await s.__anext__()  # both running
+        if fault == "kill":
+            os.kill(proc_llm.engine_pid, signal.SIGKILL)
+        else:  # the test-only hook the serving fault tests use: the step loop raises
+            proc_llm.inject_step_error_for_testing(RuntimeError("injected in the step loop"))
         t0 = time.monotonic()
 
         async def drain(s):
@@ -116,27 +120,11 @@ def test_killed_engine_process_fails_every_waiter(proc_llm):
                 pass
         results = await asyncio.wait_for(asyncio.gather(*map(drain, streams), return_exceptions=True), 10)
         assert time.monotonic() - t0 < 5
-        assert all(isinstance(r, EngineDeadError) and "exited" in str(r) for r in results), results
+        assert all(isinstance(r, EngineDeadError) and message in str(r) for r in results), results
         with pytest.raises(EngineDeadError):
             await proc_llm.check_health()
         with pytest.raises(EngineDeadError):  # and nothing new is taken
             await _tokens(proc_llm, "again", SamplingParams(max_tokens=2, **DELTA), "late")
-    asyncio.run(main())
-
-
-def test_injected_step_error_reaches_every_waiter(proc_llm):
-    async def main():
-        params = SamplingParams(max_tokens=400, **DELTA)
-        streams = [proc_llm.generate(f"p{i}", params, f"r{i}") for i in range(2)]
-        for s in streams:
-            await s.__anext__()
-        proc_llm.inject_step_error_for_testing(RuntimeError("injected in the step loop"))
-        for s in streams:
-            with pytest.raises(EngineDeadError, match="injected in the step loop"):
-                async for _ in s:
-                    pass
-        with pytest.raises(EngineDeadError):
-            await proc_llm.check_health()
     asyncio.run(main())
     _wait_gone(proc_llm.engine_pid)  # a dead loop ends its process
 
