@@ -23,7 +23,9 @@ def test_tokens_by_replica_sums_each_replicas_series():
 def test_second_engine_replica_comes_up_under_load_and_serves(tiny_llama, tmp_path):
     with local_server({"model": tiny_llama, **DEMO_ARGS}, num_cpus=2) as url, Sampler(url, period_s=0.5) as sampler:
         assert sampler.sample()["running"] == 1  # min_replicas
-        cfg = OnlineConfig(base_url=url, model="tiny", concurrency=[1], num_prompts=160, input_len=32,
+        # 25 s of arrivals: long enough for the second replica to start (its engine process imports
+        # torch and loads the model, on two busy cores) and then take traffic.
+        cfg = OnlineConfig(base_url=url, model="tiny", concurrency=[1], num_prompts=400, input_len=32,
                            output_len=64, out_dir=tmp_path, request_rates=[16.0], num_warmup=0, token_ids=True)
         (level,) = asyncio.run(run_sweep(cfg))["levels"]
         both = sampler.wait_for(lambda s: sum(v > 0 for v in s["tokens_by_replica"].values()) >= 2, timeout_s=15)
