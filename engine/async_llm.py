@@ -28,7 +28,7 @@ import weakref
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
-from engine.core_proc import EngineCoreClient
+from engine.core_proc import EngineCoreClient, apply_pending
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.output_collector import RequestOutputCollector
@@ -217,7 +217,8 @@ class AsyncLLM:
     def _on_core_outputs(self, pairs: list, stats: dict, iteration_stats: list) -> None:
         """From the engine process's reader thread: what the step thread delivers in-process."""
         self._iteration_stats.extend(iteration_stats)
-        self._stats = stats
+        if stats is not None:  # None: a refusal sent by the engine process's input thread
+            self._stats = stats
         if pairs:
             self._deliver(pairs)
 
@@ -240,7 +241,8 @@ class AsyncLLM:
     def _run_once(self) -> bool:
         """One drain + step (or an idle wait); False once the loop has stopped or died."""
         try:
-            self._drain_pending()
+            if not apply_pending(self.engine, self._pending, self._deliver):
+                self._stop = True
             if self._error is not None:  # failed from the executor's watcher: waiters were told
                 return False
             if self._stop:
@@ -275,23 +277,6 @@ class AsyncLLM:
         # The step thread's own CPU time: what the engine costs, apart from the event loop's work.
         return {**self.engine.get_stats(), "step_thread_cpu_s": time.thread_time()}
 
-    def _drain_pending(self) -> None:
-        while self._pending:
-            op, arg = self._pending.popleft()
-            if op == "add":
-                try:
-                    self.engine.add_request_state(arg)
-                except ValueError as e:
-                    self._deliver_one(arg.request_id, e)
-            elif op == "abort":
-                out = self.engine.abort_request(arg)
-                if out is not None:
-                    self._deliver_one(arg, out)
-            elif op == "stop":
-                self._stop = True
-            elif op == "raise":
-                raise arg
-
     def _deliver(self, outputs: list) -> None:
         """Hand (request_id, output or error) pairs to their readers: one wake-up per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -305,9 +290,6 @@ class AsyncLLM:
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
                 for request_id, _, _ in batch:
                     self._submit(("abort", request_id))
-
-    def _deliver_one(self, request_id: str, item) -> None:
-        self._deliver([(request_id, item)])
 
     def _fail_all(self, error: BaseException) -> None:
         self._deliver([(request_id, error) for request_id in list(self._waiters)])

@@ -126,6 +126,30 @@ class EngineCoreClient:
             conn.close()
 
 
+def apply_pending(engine, pending: collections.deque, deliver: Callable[[list], None]) -> bool:
+    """Apply the ops callers queued for the step loop, between steps: ("add", RequestState),
+    ("abort", request_id), ("stop", None), ("raise", error). Refusals and abort outputs go to
+    `deliver` as (request_id, item) pairs. False if a stop was among them. Both step loops use
+    it: AsyncLLM's thread and the engine process's."""
+    running = True
+    while pending:
+        op, arg = pending.popleft()
+        if op == "add":
+            try:
+                engine.add_request_state(arg)
+            except ValueError as e:
+                deliver([(arg.request_id, e)])
+        elif op == "abort":
+            out = engine.abort_request(arg)
+            if out is not None:
+                deliver([(arg, out)])
+        elif op == "stop":
+            running = False
+        elif op == "raise":
+            raise arg
+    return running
+
+
 # -- the child ---------------------------------------------------------------------------
 def run_engine_core(config: EngineConfig, num_threads: int, in_conn, out_conn) -> None:
     """The engine core process's main: build the engine, then step until told to stop."""
@@ -160,7 +184,6 @@ class EngineCoreProc:
         self.send_lock = threading.Lock()  # the step loop, the input thread and the TP watcher send
         self.pending: collections.deque = collections.deque()
         self.wakeup = threading.Event()
-        self.stop = False
         self.dead = False
         engine.stats_log.enabled = True
         engine.executor.set_failure_callback(self.die)
@@ -177,7 +200,8 @@ class EngineCoreProc:
                 try:
                     arg = self.engine.make_request(request_id, prompt, params)
                 except Exception as e:  # noqa: BLE001 - the request's own error, its only output
-                    self.emit([(request_id, _picklable(e))])
+                    # No stats with it: the engine's are the step thread's to read.
+                    self._send(("out", [(request_id, _picklable(e))], None, []))
                     continue
             self.pending.append((op, arg))
             self.wakeup.set()
@@ -186,7 +210,7 @@ class EngineCoreProc:
 
     def run_once(self) -> bool:
         try:
-            if not self._drain_pending() or self.dead:
+            if not apply_pending(self.engine, self.pending, self.emit) or self.dead:
                 return False
             if not self.engine.has_unfinished_requests():
                 self.emit([])  # fresh stats while idle
@@ -200,25 +224,6 @@ class EngineCoreProc:
             logger.exception("engine step loop died")
             self.die(e)
             return False
-
-    def _drain_pending(self) -> bool:
-        """Apply what the parent sent; False once told to stop."""
-        while self.pending:
-            op, arg = self.pending.popleft()
-            if op == "add":
-                try:
-                    self.engine.add_request_state(arg)
-                except ValueError as e:
-                    self.emit([(arg.request_id, e)])
-            elif op == "abort":
-                out = self.engine.abort_request(arg)
-                if out is not None:
-                    self.emit([(arg, out)])
-            elif op == "stop":
-                return False
-            elif op == "raise":
-                raise arg
-        return True
 
     def emit(self, pairs: list) -> None:
         taken = self.engine.stats_log.take()
