@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.core_proc import EngineCoreClient, apply_pending
@@ -122,15 +122,17 @@ class AsyncLLM:
     # -- public API -------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *,
-                       stream_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       stream_interval_s: float | Callable[[], float] = 0.0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine makes them (by `sampling_params.output_kind`).
 
         stream_interval_s > 0: after each output, wait that long (or until the request ends)
         before taking the next, so DELTA outputs carry several steps' tokens. Serving uses it
         to pay per chunk, not per token, on every hop downstream; 0 takes every step's output.
+        A callable is asked before each wait (serving stretches the interval with its load).
         """
-        if stream_interval_s < 0:
-            raise ValueError(f"stream_interval_s={stream_interval_s} must be >= 0")
+        interval = stream_interval_s if callable(stream_interval_s) else (lambda: stream_interval_s)
+        if interval() < 0:
+            raise ValueError(f"stream_interval_s={interval()} must be >= 0")
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
@@ -157,8 +159,10 @@ class AsyncLLM:
                 item = await collector.get()
                 finished = item.finished
                 yield item
-                if stream_interval_s and not finished:
-                    await collector.wait_final(stream_interval_s)
+                if not finished:
+                    wait_s = interval()
+                    if wait_s > 0:
+                        await collector.wait_final(wait_s)
         finally:
             self._waiters.pop(request_id, None)
             if not finished:  # cancelled, closed early or failed: free the engine's resources
