@@ -22,6 +22,13 @@ from engine.config import DEVICES, EngineConfig, ModelConfig
 from serve_app.guardrail_policy import GuardrailPolicy
 
 STREAM_INTERVAL_MS = 20.0
+MAX_STREAM_INTERVAL_MS = 1000.0
+# Streamed items per second per engine replica (all its streams together) when
+# max_stream_messages_per_s is not set. Every item costs CPU in each process it crosses (engine
+# replica, Ingress, proxy, client: ~1 ms in all on the CPU box, docs/benchmarks.md). On a CPU
+# node those processes share the cores with the engine, so the budget is small; on a GPU node
+# they have cores of their own and one Ingress replica handles a few thousand items a second.
+DEFAULT_STREAM_MESSAGES_PER_S = {"cpu": 200.0, "cuda": 2000.0}
 _METRIC_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
@@ -48,7 +55,23 @@ class StreamingConfig(BaseModel):
     # several steps' tokens: every item costs a Ray message and per-item work in the
     # Ingress and the proxy. The first token and the end are never held back.
     # 0: an item per engine step (per token when the replica keeps up). Measured: docs/benchmarks.md.
-    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=1000.0)
+    stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=MAX_STREAM_INTERVAL_MS)
+    # Load-aware pacing: with S requests streaming on a replica, each waits at least
+    # S / max_stream_messages_per_s between items, so the replica sends about that many items
+    # a second however many requests it serves (capped at MAX_STREAM_INTERVAL_MS). At low load
+    # stream_interval_ms rules. None: DEFAULT_STREAM_MESSAGES_PER_S for the replica's device;
+    # 0: no budget (stream_interval_ms alone).
+    max_stream_messages_per_s: float | None = Field(None, ge=0.0)
+
+    def interval_s(self, num_streams: int, device: str) -> float:
+        """How long a stream waits between two items while `num_streams` stream on its replica."""
+        budget = self.max_stream_messages_per_s
+        if budget is None:
+            budget = DEFAULT_STREAM_MESSAGES_PER_S[device]
+        interval_ms = self.stream_interval_ms
+        if budget > 0:
+            interval_ms = max(interval_ms, min(1000.0 * num_streams / budget, MAX_STREAM_INTERVAL_MS))
+        return interval_ms / 1000.0
 
 
 def _engine_fields() -> dict[str, Any]:

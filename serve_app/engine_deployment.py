@@ -4,8 +4,10 @@
 
 Chunking: every item costs a Ray message here and a hop of work in each process after it,
 whatever it carries. So an item carries every token made since the last one: the engine's
-output collector merges the steps a busy reader missed, and `stream_interval_ms` (live,
-via user_config) waits that long between items. The first item and the last are never held.
+output collector merges the steps a busy reader missed, and each stream waits between items
+for `stream_interval_ms`, stretched under load so that the replica's streams together send
+about `max_stream_messages_per_s` items a second (StreamingConfig.interval_s; both live via
+user_config). The first item and the last are never held.
 
 Cancellation: when the caller goes away, Serve cancels the task iterating `generate()`,
 which closes the engine's iterator, which aborts the request and frees its KV blocks at
@@ -47,6 +49,8 @@ class EngineDeployment:
         else:
             self._cpu_threads = use_cpu_threads(args.engine_cpu_threads, args.tensor_parallel_size)
         self.llm = AsyncLLM(args.engine_config(device), engine_process=args.engine_process)
+        self._device = device
+        self._num_streaming = 0  # requests past their first item: what the stream interval paces
         self._shutting_down = False
         self._replica = _replica_tag()
         self.streaming = args.streaming()  # reconfigure() replaces it when user_config is set
@@ -62,13 +66,23 @@ class EngineDeployment:
         params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
         logger.debug("generate %s batch %s", request.request_id, request.batch_id)
-        outputs = self.llm.generate(prompt, params, request.request_id,
-                                    stream_interval_s=self.streaming.stream_interval_ms / 1000)
+        outputs = self.llm.generate(prompt, params, request.request_id, stream_interval_s=self._interval_s)
         # aclosing: however this generator ends (cancelled, closed at a yield), the chain
         # below is closed now, not at garbage collection, and the engine aborts the request.
-        async with contextlib.aclosing(_to_items(outputs, self)) as items:
-            async for item in items:
-                yield item
+        streaming = False  # counted in _num_streaming from its first item (queued requests send nothing)
+        try:
+            async with contextlib.aclosing(_to_items(outputs, self)) as items:
+                async for item in items:
+                    if not streaming:
+                        streaming = True
+                        self._num_streaming += 1
+                    yield item
+        finally:
+            if streaming:
+                self._num_streaming -= 1
+
+    def _interval_s(self) -> float:
+        return self.streaming.interval_s(self._num_streaming, self._device)
 
     def failure(self, e: BaseException) -> StreamError:
         """Map an engine exception to what the client is told (by type: serve_app/errors.py)."""

@@ -4,6 +4,7 @@ from pathlib import Path
 import os
 import pytest
 import yaml
+from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import build_app, engine_options, ingress_options
@@ -182,3 +183,19 @@ def test_relative_model_path_is_made_absolute_where_the_app_is_built(tiny_llama,
     with pytest.raises(ValueError, match="model='nope'"):
         resolve_app_args({"model": "nope"})
     assert resolve_app_args({"model": "nope", "check_model_at_build": False}).model == "nope"
+
+
+def test_stream_interval_grows_with_the_streams_beyond_the_message_budget():
+    from serve_app.args import DEFAULT_STREAM_MESSAGES_PER_S, MAX_STREAM_INTERVAL_MS, StreamingConfig
+
+    cfg = StreamingConfig(stream_interval_ms=20, max_stream_messages_per_s=200)
+    assert cfg.interval_s(1, "cpu") == 0.02              # light load: the floor, per step
+    assert cfg.interval_s(4, "cpu") == 0.02              # 4 streams / 200 per s = 20 ms: still the floor
+    assert cfg.interval_s(64, "cpu") == pytest.approx(0.32)  # 64 streams share 200 items a second
+    assert cfg.interval_s(10_000, "cpu") == MAX_STREAM_INTERVAL_MS / 1000  # capped: a stream never stalls
+    assert StreamingConfig(stream_interval_ms=20, max_stream_messages_per_s=0).interval_s(64, "cpu") == 0.02
+    default = StreamingConfig(stream_interval_ms=0)  # the budget by device when not set
+    for device, budget in DEFAULT_STREAM_MESSAGES_PER_S.items():
+        assert default.interval_s(100, device) == pytest.approx(100 / budget)
+    with pytest.raises(ValidationError):
+        StreamingConfig(max_stream_messages_per_s=-1)

@@ -38,11 +38,12 @@ class FakeLLM:
         self.stream_intervals = []
 
     async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0):
-        self.stream_intervals.append(stream_interval_s)
         if self.error:
             raise self.error
         for out in self.outputs:
             yield out
+            # as AsyncLLM: the interval is asked for after an item was taken, before the wait
+            self.stream_intervals.append(stream_interval_s() if callable(stream_interval_s) else stream_interval_s)
 
     def get_stats(self):
         return {"num_requests_running": 2, "prefix_cache_queries": 7}
@@ -58,9 +59,10 @@ class FakeLLM:
         self.shutdowns += 1
 
 
-def _deployment(llm) -> EngineDeployment:
+def _deployment(llm, device="cpu") -> EngineDeployment:
     dep = object.__new__(EngineDeployment.func_or_class)
     dep.llm, dep._shutting_down, dep._replica, dep._cpu_threads = llm, False, "test", None
+    dep._device, dep._num_streaming = device, 0
     dep.streaming = StreamingConfig()
     dep.recorder = Recorder()  # in place of Ray's metrics
     dep.metrics, dep._metrics_task = EngineMetrics("rayllm", "m", 64, factory=dep.recorder), None
@@ -131,13 +133,34 @@ def test_reconfigure_sets_the_stream_interval_live():
     _run(dep)
     dep.reconfigure({"stream_interval_ms": 50})
     _run(dep)
-    dep.reconfigure({"stream_interval_ms": 0})
+    dep.reconfigure({"stream_interval_ms": 0, "max_stream_messages_per_s": 0})
     _run(dep)
     assert llm.stream_intervals == [StreamingConfig().stream_interval_ms / 1000, 0.05, 0.0]
     with pytest.raises(ValueError, match="stream_interval_ms"):
         dep.reconfigure({"stream_interval_ms": -1})
     with pytest.raises(ValueError, match="stream_interval"):
         dep.reconfigure({"stream_intervals_ms": 5})  # a typo is not ignored
+    with pytest.raises(ValueError, match="max_stream_messages_per_s"):
+        dep.reconfigure({"max_stream_messages_per_s": -5})
+
+
+def test_the_interval_stretches_with_the_streams_on_the_replica():
+    """Each stream counts from its first item to its end; the interval is the budget shared by them."""
+    async def main():
+        dep = _deployment(FakeLLM([_output("a"), _output("b"), _output("c", "length", True)]))
+        dep.reconfigure({"stream_interval_ms": 20, "max_stream_messages_per_s": 100})
+        streams = [dep.generate(EngineRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=3))) for i in range(50)]
+        for s in streams:  # every stream has sent its first item
+            await s.__anext__()
+        assert dep._num_streaming == 50
+        assert dep._interval_s() == pytest.approx(0.5)  # 50 streams / 100 per s
+        for s in streams[:45]:
+            await s.aclose()  # a stream that ends (or is cancelled) no longer counts
+        assert dep._num_streaming == 5 and dep._interval_s() == pytest.approx(0.05)
+        for s in streams[45:]:
+            assert [i async for i in s][-1].finished
+        assert dep._num_streaming == 0 and dep._interval_s() == pytest.approx(0.02)  # the floor
+    asyncio.run(main())
 
 
 def test_fault_injection_is_refused_unless_enabled(monkeypatch):
