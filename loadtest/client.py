@@ -1,7 +1,10 @@
 """One streaming request against an OpenAI-compatible server, timed per chunk.
 
-Raw SSE over httpx rather than the openai client: the timestamps are taken
+Raw SSE over aiohttp rather than the openai client: the timestamps are taken
 the moment each `data:` line arrives, with no client-side parsing in between.
+aiohttp, not httpx: on the 2-core CPU box the load generator shares the cores with
+the server it measures, and httpx's line reader cost 2-3x more CPU per request and
+per streamed chunk (docs/benchmarks.md, "the load generator's own CPU").
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from loadtest.sse import DONE, parse_chunk, sse_data
 
@@ -61,14 +64,22 @@ def build_payload(model: str, prompt: str | list[int], max_tokens: int, endpoint
     return body
 
 
-async def _read_stream(response: httpx.Response, endpoint: str, start: float, max_events: int,
+def open_session(max_connections: int, timeout_s: float | None = None) -> aiohttp.ClientSession:
+    """The connection pool of a run. No proxy from the environment (aiohttp's default): requests
+    go to the URL given and nowhere else."""
+    # read_bufsize: a line (one SSE event) may be up to twice this long; logprobs make long ones.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=1 << 20)
+
+
+async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, start: float, max_events: int,
                        record: RequestRecord) -> None:
     last_token_at = None
     num_text_chunks = 0
     num_events = 0
-    async for line in response.aiter_lines():
+    async for raw in response.content:  # one line at a time, b"\n" included
         now = time.perf_counter()
-        payload = sse_data(line)
+        payload = sse_data(raw.decode().rstrip("\r\n"))
         if payload is None:
             continue
         if payload.strip() == DONE:
@@ -105,19 +116,19 @@ class Target:
     timeout_s: float         # per request, connect to last byte
 
 
-async def _post_and_read(client: httpx.AsyncClient, target: Target, payload: dict,
+async def _post_and_read(client: aiohttp.ClientSession, target: Target, payload: dict,
                          record: RequestRecord) -> None:
     # Bounds a stream that never ends; a normal one has about max_tokens + 2 events.
     max_events = 4 * payload["max_tokens"] + 64
     start = time.perf_counter()
-    async with client.stream("POST", target.url, json=payload, headers=target.headers) as response:
-        if response.status_code != 200:
-            body = (await response.aread())[:300].decode(errors="replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {body}")
+    async with client.post(target.url, json=payload, headers=target.headers) as response:
+        if response.status != 200:
+            body = (await response.read())[:300].decode(errors="replace")
+            raise RuntimeError(f"HTTP {response.status}: {body}")
         await _read_stream(response, target.endpoint, start, max_events, record)
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, payload: dict) -> RequestRecord:
+async def send_request(client: aiohttp.ClientSession, target: Target, payload: dict) -> RequestRecord:
     """A failed request (HTTP status, connection, timeout, bad stream) comes back as
     `RequestRecord(ok=False, error=...)`, so one failure never stops a level."""
     record = RequestRecord()
@@ -126,6 +137,6 @@ async def send_request(client: httpx.AsyncClient, target: Target, payload: dict)
         record.ok = True
     except (asyncio.TimeoutError, TimeoutError):
         record.error = f"timed out after {target.timeout_s:g} s"
-    except (httpx.HTTPError, RuntimeError, OSError, ValueError) as exc:
+    except (aiohttp.ClientError, RuntimeError, OSError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     return record

@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 
-from loadtest.client import RequestRecord, Target, build_payload, endpoint_url, send_request
+from loadtest.client import RequestRecord, Target, build_payload, endpoint_url, open_session, send_request
 from loadtest.open_loop import run_rate_level
 from loadtest.stats import find_knee, summarize
 from loadtest.workload import make_token_id_prompts, make_word_prompts
@@ -74,7 +74,7 @@ class OnlineConfig:
         return make_word_prompts(num, self.input_len, seed)
 
 
-async def run_level(client: httpx.AsyncClient, cfg: OnlineConfig, concurrency: int) -> dict:
+async def run_level(client: aiohttp.ClientSession, cfg: OnlineConfig, concurrency: int) -> dict:
     """Send `num_prompts` requests through `concurrency` workers; summarize the records."""
     target = cfg.target()
     prompts = cfg.prompts(seed=cfg.seed * 100_003 + concurrency, num=cfg.num_prompts)
@@ -114,7 +114,7 @@ def summarize_level(records: list[RequestRecord], duration: float, **load) -> di
     }
 
 
-async def warm_up(client: httpx.AsyncClient, cfg: OnlineConfig) -> None:
+async def warm_up(client: aiohttp.ClientSession, cfg: OnlineConfig) -> None:
     """Untimed requests first (compilation, allocation); the server must answer at all."""
     if cfg.num_warmup == 0:
         return
@@ -141,10 +141,7 @@ def knee_of(levels: list[dict]) -> dict:
 async def run_sweep(cfg: OnlineConfig) -> dict:
     """Every level in increasing concurrency, over one connection pool sized for the largest."""
     pool = max(cfg.concurrency) if cfg.request_rates is None else (cfg.max_concurrency or cfg.num_prompts)
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
-    # trust_env=False: no proxy from the environment; requests go to base_url and nowhere else.
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.request_timeout),
-                                 trust_env=False) as client:
+    async with open_session(pool) as client:  # each request is bounded by cfg.request_timeout (send_request)
         await warm_up(client, cfg)
         if cfg.request_rates is None:
             levels = [await run_level(client, cfg, c) for c in cfg.concurrency]

@@ -16,7 +16,7 @@ import math
 import random
 import time
 
-import httpx
+import aiohttp
 
 from loadtest.client import RequestRecord, build_payload, send_request
 
@@ -35,7 +35,7 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_rate_level(client: httpx.AsyncClient, cfg, rate: float, level_index: int) -> dict:
+async def run_rate_level(client: aiohttp.ClientSession, cfg, rate: float, level_index: int) -> dict:
     """`cfg.num_prompts` requests with Poisson arrivals at `rate`/s; the level's summary and timeline."""
     from loadtest.online import summarize_level
 
