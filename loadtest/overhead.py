@@ -2,7 +2,7 @@
 
     python -m loadtest.overhead [--concurrency 64] [--num-requests 128] [--input-len 128] \\
         [--output-len 64] [--device cpu] [--out bench_out/overhead.json] [--serve-arg key=value ...] \\
-        [--stream-interval-ms 0,20,50]
+        [--stream-interval-ms 0,20,50] [--sweep max_stream_messages_per_s=100,200,400] [--rounds 3]
 
 1. offline: `LLM.generate` over every request at once, with `max_num_seqs` = the
    concurrency (the closed-loop equivalent: never more than C requests in flight);
@@ -10,10 +10,13 @@
 3. serve: the Serve app (serve_app.app:build_app) in a local Ray cluster, C streaming
    HTTP clients on loopback (token-id prompts, `ignore_eos`, greedy), in Ray Serve's
    high-throughput mode (HAProxy, direct ingress: serve_app.local); serve_pyproxy: the same
-   behind Serve's Python ProxyActor. With --stream-interval-ms, once per value (paths
-   serve_<X>ms), reconfiguring the running app.
+   behind Serve's Python ProxyActor. With --sweep KEY=V1,V2 (a field of the engine replica's
+   user_config; --stream-interval-ms A,B is --sweep stream_interval_ms=A,B), once per value
+   (paths serve_KEY=V), reconfiguring the running app.
 
-Each of 2 and 3 also runs at concurrency 1 for TTFT. Printed last: output tok/s per path
+Each of 2 and 3 also runs at concurrency 1 for TTFT. --rounds N runs the paths N times in
+turn; a ratio is taken against the offline run of its own round (the 2-core box drifts by
+10-20% over minutes) and the medians over rounds are printed. Printed last: output tok/s per path
 and the ratios to offline, TTFT p50 at concurrency 1, CPU seconds per streamed token in
 each process of the serving path (from /proc: proxy, Ingress, Guardrails, engine
 replica, its step thread, Ray's own daemons, the client) and streamed messages per
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,14 +69,28 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _intervals(text: str) -> list[float]:
+def _intervals(text: str) -> tuple[str, list[float]]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
     if not values or any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
-    return values
+    return "stream_interval_ms", values
+
+
+def _sweep(text: str) -> tuple[str, list[str | None]]:
+    """KEY=V1,V2,...: values of one field of the engine replica's user_config (checked by the
+    replica's own StreamingConfig); "none" is null (the field's default)."""
+    from serve_app.args import StreamingConfig
+
+    key, values = _key_value(text)
+    if key not in StreamingConfig.model_fields:
+        raise argparse.ArgumentTypeError(f"--sweep {key!r}: choose one of {sorted(StreamingConfig.model_fields)}")
+    parsed = [None if v.strip().lower() == "none" else v.strip() for v in values.split(",") if v.strip()]
+    if not parsed:
+        raise argparse.ArgumentTypeError(f"--sweep {text!r}: no values")
+    return key, parsed
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -93,11 +111,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "mode), serve_pyproxy (behind Serve's Python ProxyActor)")
     ap.add_argument("--serve-arg", type=_key_value, action="append", default=[],
                     help="extra application arg for the serve path, e.g. stream_interval_ms=0")
-    ap.add_argument("--stream-interval-ms", type=_intervals, default=None,
+    ap.add_argument("--stream-interval-ms", dest="sweep", type=_intervals, default=None,
                     help="comma-separated stream_interval_ms values: one serve path each, on one running app")
+    ap.add_argument("--sweep", dest="sweep", type=_sweep, default=None,
+                    help="KEY=V1,V2: values of an engine replica user_config field (e.g. "
+                         "max_stream_messages_per_s=100,200), one serve path each, on one running app")
+    ap.add_argument("--rounds", type=int, default=1, help="run the paths this many times in turn; medians")
     ap.add_argument("--out", type=Path, default=Path("bench_out/overhead.json"))
     args = ap.parse_args(argv)
-    for name in ("concurrency", "num_requests", "num_ttft_requests", "input_len", "output_len"):
+    for name in ("concurrency", "num_requests", "num_ttft_requests", "input_len", "output_len", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -116,22 +138,48 @@ def engine_kwargs(args, model: Path) -> dict:
             "seed": args.seed}
 
 
+def combine_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per path: the medians over rounds of its figures, and each round's ratio to the offline run
+    of the same round (`ratio_to_offline`, in round order); the rest is the first round's."""
+    def median(values) -> float:
+        return statistics.median(list(values))
+
+    combined = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        out = dict(runs[0])
+        for key in ("tokens_per_s", "ttft_c1_p50_ms", "cpu_s_per_token_total"):
+            if key in out:
+                out[key] = median(r[key] for r in runs)
+        if "cpu_s_by_role" in out:
+            roles = {role for r in runs for role in r["cpu_s_by_role"]}
+            out["cpu_ms_per_token_by_role"] = {
+                role: median(r["cpu_s_by_role"].get(role, 0.0) / r["num_tokens"] * 1e3 for r in runs) for role in roles}
+            hops = {hop for r in runs for hop in r["messages_per_token"]}
+            out["messages_per_token"] = {hop: median(r["messages_per_token"].get(hop, 0.0) for r in runs)
+                                         for hop in hops}
+        if "offline" in rounds[0]:
+            out["ratio_to_offline"] = [r[name]["tokens_per_s"] / r["offline"]["tokens_per_s"] for r in rounds]
+        combined[name] = out
+    return combined
+
+
 def summary_table(report: dict) -> str:
     paths = report["paths"]
-    offline = paths.get("offline", {}).get("tokens_per_s")
     rows = []
     for name, r in paths.items():
-        ratio = r["tokens_per_s"] / offline if offline else "-"
+        ratios = r.get("ratio_to_offline")
+        ratio = statistics.median(ratios) if ratios else "-"
+        spread = " ".join(f"{q:.2f}" for q in ratios) if ratios and len(ratios) > 1 else "-"
         ttft = r.get("ttft_c1_p50_ms", "-")
-        rows.append([name, r["tokens_per_s"], ratio, ttft, r.get("cpu_s_per_token_total", "-")])
-    table = format_table(["path", "out tok/s", "/ offline", "TTFT p50 c=1 ms", "CPU ms/token"],
-                         [[n, t, q, f, c * 1e3 if isinstance(c, float) else c] for n, t, q, f, c in rows])
+        rows.append([name, r["tokens_per_s"], ratio, spread, ttft, r.get("cpu_s_per_token_total", "-")])
+    table = format_table(["path", "out tok/s", "/ offline", "per round", "TTFT p50 c=1 ms", "CPU ms/token"],
+                         [[n, t, q, s, f, c * 1e3 if isinstance(c, float) else c] for n, t, q, s, f, c in rows])
     serves = {name: r for name, r in paths.items() if name.startswith("serve")}
     if serves:
-        roles = sorted({role for r in serves.values() for role in r["cpu_s_by_role"]})
+        roles = sorted({role for r in serves.values() for role in r["cpu_ms_per_token_by_role"]})
         hops = sorted({hop for r in serves.values() for hop in r["messages_per_token"]})
-        rows = [[role] + [r["cpu_s_by_role"].get(role, 0.0) / r["num_tokens"] * 1e3 for r in serves.values()]
-                for role in roles]
+        rows = [[role] + [r["cpu_ms_per_token_by_role"].get(role, 0.0) for r in serves.values()] for role in roles]
         rows += [[f"messages/token {hop}"] + [r["messages_per_token"].get(hop, "-") for r in serves.values()]
                  for hop in hops]
         table += "\n\nserve path, per streamed token (CPU ms, or count)\n" + format_table(["where", *serves], rows)
@@ -150,19 +198,23 @@ def main(argv: list[str] | None = None) -> dict:
     report = base_metadata(["python", "-m", "loadtest.overhead", *argv])
     report["workload"] = {k: getattr(args, k) for k in ("concurrency", "num_requests", "num_ttft_requests",
                                                          "input_len", "output_len", "device", "dtype", "seed")}
-    report["paths"] = {}
     kwargs = engine_kwargs(args, Path(model))
     runners = {"offline": lambda: {"offline": run_offline(kwargs, requests)},
                "async": lambda: {"async": asyncio.run(run_async(kwargs, requests, ttft_requests, args.concurrency))},
-               "serve": lambda: run_serve(kwargs, workload, args.concurrency, dict(args.serve_arg),
-                                          args.stream_interval_ms),
+               "serve": lambda: run_serve(kwargs, workload, args.concurrency, dict(args.serve_arg), args.sweep),
                "serve_pyproxy": lambda: run_serve(kwargs, workload, args.concurrency,
-                                                  dict(args.serve_arg), args.stream_interval_ms, high_throughput=False)}
-    for path in args.paths:
-        start = time.perf_counter()
-        for name, result in runners[path]().items():
-            report["paths"][name] = result
-            progress(f"{name}: {result['tokens_per_s']:.0f} tok/s ({time.perf_counter() - start:.0f} s)")
+                                                  dict(args.serve_arg), args.sweep, high_throughput=False)}
+    report["rounds"] = []
+    for k in range(args.rounds):
+        results = {}
+        for path in args.paths:
+            start = time.perf_counter()
+            for name, result in runners[path]().items():
+                results[name] = result
+                progress(f"round {k + 1}: {name}: {result['tokens_per_s']:.0f} tok/s "
+                         f"({time.perf_counter() - start:.0f} s)")
+        report["rounds"].append(results)
+    report["paths"] = combine_rounds(report["rounds"])
     report["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, report)
     print(f"wrote {args.out}")

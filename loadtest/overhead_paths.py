@@ -139,23 +139,26 @@ async def _engine_stats() -> dict:
     return await asyncio.to_thread(call_deployment, "EngineDeployment", "get_stats")
 
 
-async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> dict:
-    import httpx
+async def _scrape(client, url: str) -> dict[str, dict[str, float]]:
+    async with client.get(url + "/metrics") as response:
+        return chunk_counters(await response.text())
 
-    from serve_app.local import METRICS_REPORT_INTERVAL_MS
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False) as client:
+async def _serve_levels(url: str, requests, ttft_requests, concurrency: int, metrics_interval_s: float) -> dict:
+    from loadtest.client import open_session
+
+    async with open_session(concurrency + 4, timeout_s=600.0) as client:
         await _http_level(client, url, _warmup(requests), 1)
         ttfts = [r.ttft for r in await _http_level(client, url, ttft_requests, 1)]
-        chunks0, cpu0, stats0 = chunk_counters((await client.get(url + "/metrics")).text), \
-            snapshot(os.getpid()), await _engine_stats()
+        # /metrics is Ray's export, published every metrics_interval_s: wait for the requests so far.
+        await asyncio.sleep(2.5 * metrics_interval_s)
+        chunks0, cpu0, stats0 = await _scrape(client, url), snapshot(os.getpid()), await _engine_stats()
         start = time.perf_counter()
         records = await _http_level(client, url, requests, concurrency)
         wall = time.perf_counter() - start
         cpu, stats = difference(cpu0, snapshot(os.getpid())), await _engine_stats()
-        await asyncio.sleep(2.5 * METRICS_REPORT_INTERVAL_MS / 1000)  # /metrics is Ray's export: let it publish
-        chunks = chunk_counters((await client.get(url + "/metrics")).text)
+        await asyncio.sleep(2.5 * metrics_interval_s)
+        chunks = await _scrape(client, url)
     step_cpu = stats.get("step_thread_cpu_s", 0.0) - stats0.get("step_thread_cpu_s", 0.0)
     cpu["engine_step_thread"] = step_cpu
     engine = "engine_core" if "engine_core" in cpu else "engine_replica"  # the process the step loop runs in
@@ -168,28 +171,43 @@ async def _serve_levels(url: str, requests, ttft_requests, concurrency: int) -> 
 
 
 def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concurrency: int,
-              extra_args: dict, stream_intervals_ms: list[float] | None = None,
+              extra_args: dict, sweep: tuple[str, list] | None = None,
               high_throughput: bool = True) -> dict[str, dict]:
-    """{path name: result}: "serve", or one "serve_<X>ms" per stream interval, all on one running app.
+    """{path name: result}: "serve", or one "serve_KEY=V" per value of a sweep (KEY, [V, ...]) over
+    the engine replica's user_config (StreamingConfig), all on one running app.
 
-    Each interval is applied with the EngineDeployment's reconfigure() (what a user_config
-    change does), so a sweep pays for one cluster and one model load. Sweep point k runs
+    Each value is applied with the EngineDeployment's reconfigure() (what a user_config change
+    does), over the app's own streaming args, so a sweep pays for one cluster and one model load. Sweep point k runs
     `workload(k)`: the same shape, fresh prompts, because the app's prefix cache still holds
     the previous point's (reusing them made later points skip their prefill: 1.3x offline).
     high_throughput=False: behind Serve's Python proxy instead of HAProxy (names end in "_pyproxy").
     """
-    from serve_app.local import local_server, reconfigure_engine
+    from serve_app.args import StreamingConfig
+    from serve_app.local import RAY_METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_engine
 
     args = {k: v for k, v in kwargs.items() if v is not None} | {"served_model_name": SERVED_NAME} | extra_args
+    streaming = {k: v for k, v in args.items() if k in StreamingConfig.model_fields}
+    key, values = sweep or (None, [None])
     results = {}
     suffix = "" if high_throughput else "_pyproxy"
-    with local_server(args, high_throughput=high_throughput) as url:
-        for k, interval in enumerate(stream_intervals_ms or [None]):
+    # Ray's own metrics interval, as `serve run` has it: the benchmark measures what users run.
+    with local_server(args, high_throughput=high_throughput,
+                      metrics_report_interval_ms=RAY_METRICS_REPORT_INTERVAL_MS) as url:
+        for k, value in enumerate(values):
             requests, ttft_requests = workload(k)
-            name = "serve" + suffix
-            if interval is not None:
-                reconfigure_engine({"stream_interval_ms": interval})
-                name = f"serve_{interval:g}ms{suffix}"
-            results[name] = asyncio.run(_serve_levels(url, requests, ttft_requests, concurrency))
-            results[name]["app_args"] = args | ({"stream_interval_ms": interval} if interval is not None else {})
+            name, point = "serve" + suffix, {}
+            if key is not None:
+                point = {key: value}
+                reconfigure_engine(streaming | point)
+                name = f"serve_{key}={_fmt(value)}{suffix}"
+            results[name] = asyncio.run(_serve_levels(url, requests, ttft_requests, concurrency,
+                                                      RAY_METRICS_REPORT_INTERVAL_MS / 1000))
+            results[name]["app_args"] = args | point
     return results
+
+
+def _fmt(value) -> str:
+    try:
+        return f"{float(value):g}"
+    except (TypeError, ValueError):
+        return str(value)

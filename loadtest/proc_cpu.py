@@ -17,6 +17,8 @@ ROLES = (
     ("guardrails", ":Guardrails"),
     ("engine_replica", ":EngineDeployment"),
     ("serve_controller", "ray::ServeController"),
+    ("ray_agent", "ray::DashboardAgent"),  # Ray's per-node agent (metrics export), there without a dashboard too
+    ("haproxy_manager", "ray::HAProxyManager"),
     ("raylet", "raylet"),
     ("gcs_server", "gcs_server"),
 )

@@ -25,14 +25,19 @@ APP_NAME = "llm"
 # it is environment, not an app arg; a value already set in the environment wins ("0" = off).
 HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 METRICS_REPORT_INTERVAL_MS = 1000
+RAY_METRICS_REPORT_INTERVAL_MS = 10_000  # Ray's own default: what `serve run` clusters have
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @contextlib.contextmanager
-def local_server(args: dict[str, Any], num_cpus: int | None = None, high_throughput: bool = True) -> Iterator[str]:
+def local_server(args: dict[str, Any], num_cpus: int | None = None, high_throughput: bool = True,
+                 metrics_report_interval_ms: int = METRICS_REPORT_INTERVAL_MS) -> Iterator[str]:
     """Start Ray + Serve + the app; yield the base URL; shut everything down after.
 
     high_throughput=False: Serve's Python ProxyActor instead of HAProxy (HIGH_THROUGHPUT_ENV).
+    metrics_report_interval_ms: how often Ray's agent publishes metrics. Tests want /metrics fresh
+    (1 s); a benchmark wants the CPU of what users run (RAY_METRICS_REPORT_INTERVAL_MS: at 1 s the
+    agent used ~3% more of a core on the CPU box, docs/benchmarks.md).
     """
     saved_env = dict(os.environ)
     # Inherited by the cluster this process starts; restored when it is shut down. Set before
@@ -49,10 +54,10 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     port = free_port()
     # Replicas import serve_app from this checkout even when the package is not installed.
     path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    # metrics_report_interval_ms: Ray's agent publishes recorded metrics every second (its default
-    # is 10 s), so GET /metrics (serve_app/cluster_metrics.py) is at most ~2 s behind.
+    # metrics_report_interval_ms: by default Ray's agent publishes recorded metrics every second (its
+    # own default is 10 s), so GET /metrics (serve_app/cluster_metrics.py) is at most ~2 s behind.
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+             _system_config={"metrics_report_interval_ms": metrics_report_interval_ms},
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

