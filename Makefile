@@ -40,8 +40,9 @@ demo: setup $(DEMO_GGUF)
 serve: setup $(DEMO_GGUF)
 	$(SERVE_ENV) $(BIN)/serve run deploy/config.yaml
 
+# -X faulthandler: a crash, even at exit after pytest's summary, prints every thread's stack.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -X faulthandler -m pytest -q
 
 bench: setup
 	$(BIN)/python -m loadtest.offline

@@ -7,10 +7,12 @@ For tests and benchmarks (`serve run deploy/config.yaml` is the way to serve for
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,10 +68,42 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
+        stop_router_loop()
         ray.shutdown()
         os.environ.clear()
         os.environ.update(saved_env)
         shutil.rmtree(haproxy_dir, ignore_errors=True)
+
+
+def stop_router_loop(timeout_s: float = 5.0) -> None:
+    """Stop the event loop this process's DeploymentHandles route on (call_deployment's).
+
+    Ray Serve runs it in a daemon thread for the life of the process. serve.shutdown() cancels
+    its routers' tasks but not the loop's own monitor, which goes on recording metrics every few
+    seconds into a core worker that ray.shutdown() has torn down; the suite once passed and then
+    segfaulted at exit with that thread alive. A handle made later starts a fresh loop (the
+    class makes one when it has none)."""
+    from ray.serve._private.router import SingletonThreadRouter as router
+
+    with router._asyncio_loop_creation_lock:
+        loop, router._asyncio_loop, router._event_loop_monitor = router._asyncio_loop, None, None
+    if loop is None:
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout_s)
+    loop.call_soon_threadsafe(loop.stop)
+    deadline = time.monotonic() + timeout_s
+    while loop.is_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not loop.is_running():
+        loop.close()
 
 
 def _haproxy_private_env(state: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ httpx against it; greedy outputs compared with the offline `engine.LLM`.
 import asyncio
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -50,6 +51,9 @@ def base_url(tiny_llama, reference):
                 **ENGINE, **{k: v for k, v in DEFAULT_BATCHING.items() if v is not None})
     with local_server(args, num_cpus=2) as url:
         yield url
+    # call_deployment's router loop stops with the cluster: left running, it records metrics into
+    # the torn-down core worker, and the process once segfaulted at exit (serve_app/local.py).
+    assert not [t for t in threading.enumerate() if "_run_router_event_loop" in t.name]
 
 
 @pytest.fixture(scope="module")
