@@ -7,6 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_llm import EngineDeadError
+from engine.errors import PromptTooLongError
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.stages import EngineStage, RetryCounter, postprocess_batch, preprocess_batch
 
@@ -88,6 +89,16 @@ def test_a_batch_failing_every_attempt_fails(tiny_llama):
     stage.llm.inject_step_error_for_testing(RuntimeError("boom"))
     with pytest.raises(EngineDeadError, match="boom"):
         asyncio.run(stage(_rows(stage.config, ["x"])))
+
+
+def test_a_row_the_engine_refuses_fails_its_batch_at_once_naming_it(tiny_llama):
+    counter = _Counter()
+    stage = EngineStage(BatchConfig(model=tiny_llama, max_tokens=4, max_batch_retries=2), retry_counter=counter)
+    engine = stage.llm
+    rows = _rows(stage.config, ["fine", "word " * 3000])  # longer than the model's 2048 positions
+    with pytest.raises(PromptTooLongError, match="row id=1: "):
+        asyncio.run(stage(rows))
+    assert stage.llm is engine and engine.is_running and counter.count == 0  # no engine would take it
 
 
 def test_json_rows_are_flagged_not_dropped(tiny_llama):

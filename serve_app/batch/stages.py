@@ -6,9 +6,10 @@
                              these actors itself and Ray Data reaches them through EngineClient
     postprocess  CPU tasks    JSON validation (the guardrail's check_output), user postprocess fn
 
-Rows carry `id`, then `prompt` after preprocess; generation tokenizes it (with the engine's
-tokenizer, loaded there anyway) and adds `text`, `num_prompt_tokens`, `num_generated_tokens` and
-`finish_reason`.
+Rows carry `id`, then `prompt` after preprocess; generation adds `text`, `num_prompt_tokens`,
+`num_generated_tokens` and `finish_reason`. The engine tokenizes a plain prompt itself, as
+`engine.LLM.generate(str)` does; a chat-templated one is tokenized in the engine actor, without
+adding special tokens (the template wrote them), as `engine.LLM.chat` does.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import build_prompts, load_tokenizer, tokenize_prompts
@@ -114,14 +116,12 @@ class EngineStage:
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
-        # Before the retries: a row that tokenizes to nothing fails its batch on any engine.
-        token_ids = tokenize_prompts(self.config, self.llm.tokenizer, rows)
-        prompts = [{"prompt": r["prompt"], "prompt_token_ids": ids} for r, ids in zip(rows, token_ids)]
+        prompts = self._prompts(rows)
         params = [_final_only(self.config.sampling_params(r["id"])) for r in rows]
         if self.retry_counter is not None:  # a batch seen before is one Ray re-ran (its actor died);
             # awaited, so that it is counted even if this actor dies the next moment
             await self.retry_counter.batch_started.remote(batch_key([r["id"] for r in rows]))
-        outputs = await self._generate(prompts, params)
+        outputs = await self._generate(prompts, params, [r["id"] for r in rows])
         for row, out in zip(rows, outputs):
             completion = out.outputs[0]
             row.update(text=completion.text, num_prompt_tokens=len(out.prompt_token_ids),
@@ -132,18 +132,27 @@ class EngineStage:
         """`self(batch)`, as the engine actor's method that EngineClient calls."""
         return await self(batch)
 
-    async def _generate(self, prompts, params) -> list:
+    def _prompts(self, rows: list[dict[str, Any]]) -> list:
+        """The engine's prompts: the text, which the engine tokenizes, or for chat the token ids."""
+        if not self.config.chat:
+            return [row["prompt"] for row in rows]
+        token_ids = tokenize_prompts(self.config, self.llm.tokenizer, rows)  # an empty one raises, naming its row
+        return [{"prompt": row["prompt"], "prompt_token_ids": ids} for row, ids in zip(rows, token_ids)]
+
+    async def _generate(self, prompts, params, ids) -> list:
         for attempt in range(self.config.max_batch_retries + 1):
             llm = self.llm
             try:
                 async with asyncio.TaskGroup() as group:  # one request fails: the batch's others are aborted
-                    tasks = [group.create_task(_final_output(llm, p, sp)) for p, sp in zip(prompts, params)]
+                    tasks = [group.create_task(_final_output(llm, *args)) for args in zip(prompts, params, ids)]
                 return [t.result() for t in tasks]
             except Exception as e:  # noqa: BLE001 - a TaskGroup raises an ExceptionGroup
-                if attempt == self.config.max_batch_retries:
-                    raise _first_error(e) from None
+                error = _first_error(e)
+                # A row the engine refuses (empty, too long) is refused by any engine: not retried.
+                if isinstance(error, InvalidRequestError) or attempt == self.config.max_batch_retries:
+                    raise error from None
                 logger.error("batch of %d rows failed (attempt %d); retrying on a fresh engine: %r",
-                             len(prompts), attempt + 1, _first_error(e))
+                             len(prompts), attempt + 1, error)
                 if self.retry_counter is not None:
                     self.retry_counter.add.remote(1)
                 await self._replace(llm)
@@ -183,10 +192,13 @@ class EngineClient:
             self.in_flight[i] -= 1
 
 
-async def _final_output(llm, prompt, params):
+async def _final_output(llm, prompt, params, row_id):
     final = None
-    async for out in llm.generate(prompt, params):
-        final = out
+    try:
+        async for out in llm.generate(prompt, params):
+            final = out
+    except InvalidRequestError as e:  # the same type, with the row's id in the message
+        raise type(e)(f"row id={row_id!r}: {e}", e.param, e.code) from None
     return final
 
 
