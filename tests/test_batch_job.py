@@ -132,11 +132,11 @@ class _DiesOnce(EngineStage):
     """An engine actor whose process dies (as an OOM-kill would) in its first batch, once per `marker`."""
     marker = ""
 
-    async def _generate(self, prompts, params):
+    async def _generate(self, *args):
         if not os.path.exists(self.marker):
             Path(self.marker).touch()
             os._exit(1)
-        return await super()._generate(prompts, params)
+        return await super()._generate(*args)
 
 
 def test_a_batch_whose_actor_dies_is_rerun_and_counted_not_the_job(ray_cluster, tiny_llama, tmp_path, monkeypatch):
