@@ -131,8 +131,8 @@ class AsyncLLM:
         A callable is asked before each wait (serving stretches the interval with its load).
         """
         interval = stream_interval_s if callable(stream_interval_s) else (lambda: stream_interval_s)
-        if interval() < 0:
-            raise ValueError(f"stream_interval_s={interval()} must be >= 0")
+        if (first := interval()) < 0:
+            raise ValueError(f"stream_interval_s={first} must be >= 0")
         self._raise_if_dead()
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()

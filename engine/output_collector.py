@@ -34,8 +34,8 @@ class RequestOutputCollector:
         self._ready.set()
         if self._error is not None or item.finished:
             self._final = True
-            if self._final_waiter is not None and not self._final_waiter.done():
-                self._final_waiter.set_result(None)
+            if self._final_waiter is not None:
+                _resolve(self._final_waiter)
 
     async def get(self) -> RequestOutput:
         """The next (possibly merged) output; after the last one, the error the step loop sent, if any."""

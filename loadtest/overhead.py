@@ -141,22 +141,20 @@ def engine_kwargs(args, model: Path) -> dict:
 def combine_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     """Per path: the medians over rounds of its figures, and each round's ratio to the offline run
     of the same round (`ratio_to_offline`, in round order); the rest is the first round's."""
-    def median(values) -> float:
-        return statistics.median(list(values))
-
     combined = {}
     for name in rounds[0]:
         runs = [r[name] for r in rounds]
         out = dict(runs[0])
         for key in ("tokens_per_s", "ttft_c1_p50_ms", "cpu_s_per_token_total"):
             if key in out:
-                out[key] = median(r[key] for r in runs)
+                out[key] = statistics.median(r[key] for r in runs)
         if "cpu_s_by_role" in out:
             roles = {role for r in runs for role in r["cpu_s_by_role"]}
             out["cpu_ms_per_token_by_role"] = {
-                role: median(r["cpu_s_by_role"].get(role, 0.0) / r["num_tokens"] * 1e3 for r in runs) for role in roles}
+                role: statistics.median(r["cpu_s_by_role"].get(role, 0.0) / r["num_tokens"] * 1e3 for r in runs)
+                for role in roles}
             hops = {hop for r in runs for hop in r["messages_per_token"]}
-            out["messages_per_token"] = {hop: median(r["messages_per_token"].get(hop, 0.0) for r in runs)
+            out["messages_per_token"] = {hop: statistics.median(r["messages_per_token"].get(hop, 0.0) for r in runs)
                                          for hop in hops}
         if "offline" in rounds[0]:
             out["ratio_to_offline"] = [r[name]["tokens_per_s"] / r["offline"]["tokens_per_s"] for r in rounds]

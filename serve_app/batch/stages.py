@@ -116,12 +116,13 @@ class EngineStage:
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
+        ids = [r["id"] for r in rows]
         prompts = self._prompts(rows)
         params = [_final_only(self.config.sampling_params(r["id"])) for r in rows]
         if self.retry_counter is not None:  # a batch seen before is one Ray re-ran (its actor died);
             # awaited, so that it is counted even if this actor dies the next moment
-            await self.retry_counter.batch_started.remote(batch_key([r["id"] for r in rows]))
-        outputs = await self._generate(prompts, params, [r["id"] for r in rows])
+            await self.retry_counter.batch_started.remote(batch_key(ids))
+        outputs = await self._generate(prompts, params, ids)
         for row, out in zip(rows, outputs):
             completion = out.outputs[0]
             row.update(text=completion.text, num_prompt_tokens=len(out.prompt_token_ids),
