@@ -86,3 +86,15 @@ def test_rounds_take_each_ratio_against_their_own_offline_run():
     assert paths["serve"]["ttft_c1_p50_ms"] == 56.0
     table = overhead.summary_table({"paths": paths})
     assert "0.85 0.90 0.80" in table and "messages/token client" in table
+
+
+def test_sweep_and_rounds_arguments(capsys):
+    assert overhead.parse_args(["--sweep", "max_stream_messages_per_s=0,200,none"]).sweep == \
+        ("max_stream_messages_per_s", ["0", "200", None])
+    assert overhead.parse_args(["--stream-interval-ms", "20,100"]).sweep == ("stream_interval_ms", [20.0, 100.0])
+    for bad, message in ((["--sweep", "max_num_seqs=8"], "--sweep 'max_num_seqs': choose one of"),
+                         (["--sweep", "stream_interval_ms="], "no values"),
+                         (["--rounds", "0"], "--rounds=0 must be >= 1")):
+        with pytest.raises(SystemExit):
+            overhead.parse_args(bad)
+        assert message in capsys.readouterr().err
