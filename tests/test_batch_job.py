@@ -45,7 +45,7 @@ PROMPTS = [f"the story of item {i} is" + " long" * (i % 5) for i in range(10)]
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_outputs_equal_llm_generate_row_for_row(ray_cluster, tiny_llama, tmp_path, fmt):
+def test_outputs_equal_llm_generate_row_for_row(ray_cluster, tiny_llama, tmp_path, fmt, no_early_stops):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
     config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=8, batch_size=4)
     summary = run_job(config, src, str(tmp_path / "out"), output_format=fmt, progress=False)
@@ -62,7 +62,7 @@ def test_outputs_equal_llm_generate_row_for_row(ray_cluster, tiny_llama, tmp_pat
     assert summary.num_prompt_tokens == sum(len(r.prompt_token_ids) for r in expected)
 
 
-def test_template_with_variables_and_an_id_column(ray_cluster, tiny_llama, tmp_path):
+def test_template_with_variables_and_an_id_column(ray_cluster, tiny_llama, tmp_path, no_early_stops):
     src = tmp_path / "in.csv"
     src.write_text("key,title,body\nk1,Cats,They sleep\nk2,Dogs,They bark\nk3,Owls,They hoot\n")
     template = "Title: {{ title }}\nText: {{ body }}\nSummary:"
@@ -116,10 +116,12 @@ def test_json_schema_rows_are_valid_or_flagged(ray_cluster, tiny_llama, tmp_path
     assert summary.num_invalid == sum(not r["valid"] for r in rows)
 
 
-def test_processor_api_with_preprocess_and_postprocess(ray_cluster, tiny_llama):
+def test_processor_api_with_preprocess_and_postprocess(ray_cluster, tiny_llama, tmp_path, no_early_stops):
     import ray
-    ds = ray.data.from_items([{"id": i, "n": i} for i in range(4)])
-    processor = build_processor(BatchConfig(model=tiny_llama, device="cpu", max_tokens=4, template="number {{ word }}"),
+    # A lazy read, its schema unknown: the ids are taken from the `key` column batch by batch.
+    ds = ray.data.read_json(_write_jsonl(tmp_path / "in.jsonl", [{"key": i, "n": i} for i in range(4)]), lines=True)
+    processor = build_processor(BatchConfig(model=tiny_llama, device="cpu", max_tokens=4, template="number {{ word }}",
+                                            id_column="key"),
                                 preprocess=lambda row: {**row, "word": "x" * (row["n"] + 1)},
                                 postprocess=lambda row: {"short": row["text"][:3], "n_plus": row["n"] + 1})
     rows = sorted(processor(ds).take_all(), key=lambda r: r["id"])
@@ -155,7 +157,19 @@ def test_a_batch_whose_actor_dies_is_rerun_and_counted_not_the_job(ray_cluster, 
     assert [got[i]["text"] for i in range(len(PROMPTS))] == [e.outputs[0].text for e in expected]
 
 
-def test_bad_input_fails_fast_naming_it(ray_cluster, tiny_llama, tmp_path):
+@pytest.fixture
+def no_early_stops(monkeypatch):
+    """Reading and checking the input run no Dataset execution that stops early: Ray Data's schema
+    probe is one (limit(1)), and it force-kills the read tasks still running, which can crash Ray
+    2.60's core worker when one is just finishing (task_manager.cc, "not pending")."""
+    import ray
+
+    def limit(self, n):
+        raise AssertionError(f"Dataset.limit({n}): an execution that stops early")
+    monkeypatch.setattr(ray.data.Dataset, "limit", limit)
+
+
+def test_bad_input_fails_fast_naming_it(ray_cluster, tiny_llama, tmp_path, no_early_stops):
     config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=4, template="{{ title }}: {{ body }}")
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"cannot read the input .*nope.jsonl"):
@@ -169,6 +183,14 @@ def test_bad_input_fails_fast_naming_it(ray_cluster, tiny_llama, tmp_path):
     src = _write_jsonl(tmp_path / "c.jsonl", [{"k": 1, "title": "t", "body": "b"}] * 2)
     with pytest.raises(ValueError, match="id 1 appears more than once"):
         run_job(BatchConfig(model=tiny_llama, template="{{ title }}", id_column="k"), src, str(out), progress=False)
+    with pytest.raises(ValueError, match=r"has no column\(s\) \['doc'\]"):
+        run_job(BatchConfig(model=tiny_llama, template="{{ title }}", id_column="doc"), src, str(out), progress=False)
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"k": 1, "title": "t"}, {"k": None, "title": "u"}])
+    with pytest.raises(ValueError, match=r"d.jsonl: a row has no id \(null\)"):
+        run_job(BatchConfig(model=tiny_llama, template="{{ title }}", id_column="k"), src, str(out), progress=False)
+    (tmp_path / "e.jsonl").write_text('{"title": "t", "body": "b"}\n{"title": \n')
+    with pytest.raises(ValueError, match=r"cannot read the input .*e.jsonl"):
+        run_job(config, str(tmp_path / "e.jsonl"), str(out), progress=False)
     assert not out.exists()  # nothing generated
     _assert_engines_stopped()
     shards.write_shard(str(out), __import__("pyarrow").table({"id": [0]}), "jsonl")

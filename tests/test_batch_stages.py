@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.async_llm import EngineDeadError
 from engine.errors import PromptTooLongError
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.stages import EngineStage, RetryCounter, postprocess_batch, preprocess_batch
+from serve_app.batch.stages import EngineStage, RetryCounter, ids_from_column, postprocess_batch, preprocess_batch
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -124,3 +124,15 @@ def test_user_functions_see_and_extend_the_row(tiny_llama):
     with pytest.raises(TypeError, match="postprocess function must return a dict"):
         postprocess_batch(pa.Table.from_pylist([{"id": 0, "text": "hi", "finish_reason": "stop"}]), config,
                           lambda r: None)
+
+
+def test_ids_come_from_the_id_column_or_a_clear_error():
+    table = pa.table({"key": ["a", "b"], "id": [7, 8], "prompt": ["x", "y"]})
+    renamed = ids_from_column(table, "key")
+    assert (renamed.column_names, renamed.column("id").to_pylist()) == (["id", "prompt"], ["a", "b"])
+    assert ids_from_column(table, "id").column("id").to_pylist() == [7, 8]
+    assert ids_from_column(table, None) is table
+    with pytest.raises(ValueError, match=r"no id column 'doc' \(its columns: \['id', 'key', 'prompt'\]\)"):
+        ids_from_column(table, "doc")
+    with pytest.raises(ValueError, match="has no 'id' column: set id_column="):
+        ids_from_column(table.drop_columns(["id"]), None)

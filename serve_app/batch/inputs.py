@@ -10,7 +10,7 @@ import ray
 
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, check_columns, load_tokenizer, render_prompt
-from serve_app.batch.stages import RowFn
+from serve_app.batch.stages import RowFn, ids_from_column
 
 # File extension -> Ray Data reader. Anything pyarrow/fsspec reads works: local paths, s3://, gs://, ...
 READERS = {"jsonl": "read_json", "json": "read_json", "csv": "read_csv", "parquet": "read_parquet"}
@@ -24,16 +24,23 @@ def input_format(path: str, fmt: str | None = None) -> str:
     return fmt
 
 
-def read_input(path: str, fmt: str | None = None) -> ray.data.Dataset:
-    """A lazy Dataset of the input's rows; an unreadable path is a ValueError naming it."""
+def read_input(path: str, fmt: str | None = None) -> ray.data.MaterializedDataset:
+    """The input's rows in input order, read once into Ray's object store (which spills to disk):
+    an unreadable path, or a malformed line anywhere in it, is a ValueError naming it.
+
+    Read in full rather than probed: Ray Data learns a lazy Dataset's schema by running limit(1)
+    and then force-killing the read tasks still running, and a read task that is just finishing
+    when it is killed crashes Ray 2.60's core worker, the driver with it (task_manager.cc: "Tried
+    to complete task that was not pending"). After this, the columns are known without running
+    anything, and the checks and the job read the object store, not the input again.
+    """
     reader = getattr(ray.data, READERS[input_format(path, fmt)])
     kwargs = {"lines": True} if reader is ray.data.read_json else {}
     try:
-        ds = reader(path, **kwargs)
-        ds.schema()  # reads the first block: a missing file or a malformed one fails here, named
+        with _preserve_order():
+            return reader(path, **kwargs).materialize()
     except Exception as e:  # noqa: BLE001 - FileNotFoundError, ArrowInvalid, ... wrapped by Ray
         raise ValueError(f"cannot read the input {path}: {_root_message(e)}") from None
-    return ds
 
 
 @contextlib.contextmanager
@@ -46,9 +53,19 @@ def _preserve_order():
         options.preserve_order = saved
 
 
+def _columns(ds: ray.data.MaterializedDataset) -> list[str]:
+    return ds.columns() or []  # None: an empty input, no block to hold a schema
+
+
 @ray.remote
 def _num_rows(table: pa.Table) -> int:
     return table.num_rows
+
+
+def _block_starts(refs: list) -> tuple[list[int], int]:
+    """Each block's first row position, and the number of rows."""
+    sizes = ray.get([_num_rows.remote(r) for r in refs])
+    return [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
 
 
 @ray.remote
@@ -60,37 +77,21 @@ def with_position_ids(ds: ray.data.Dataset) -> ray.data.Dataset:
     """`ds` with an `id` column: each row's position in the input (0, 1, ...), the same on every run.
 
     Row positions need the rows in order and the size of each block before it, so the input is
-    materialized (in Ray's object store, which spills to disk) in read order. Inputs with an id
-    column of their own avoid this pass: use id_column.
+    materialized (in Ray's object store, which spills to disk) in read order.
     """
-    if ID in ds.columns():
-        raise ValueError("the input has an 'id' column: name it as the id column (--id-column id) to use it")
     with _preserve_order():
-        refs = ds.materialize().to_arrow_refs()
-    sizes = ray.get([_num_rows.remote(r) for r in refs])
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        ds = ds.materialize()
+    if ID in _columns(ds):
+        raise ValueError("the input has an 'id' column: name it as the id column (id_column='id') to use it")
+    refs = ds.to_arrow_refs()
+    starts, _ = _block_starts(refs)
     return ray.data.from_arrow_refs([_add_ids.remote(r, s) for r, s in zip(refs, starts)])
 
 
-def with_ids(ds: ray.data.Dataset, id_column: str | None) -> ray.data.Dataset:
-    """The input with its ids in the `id` column: id_column renamed, or row positions."""
-    if id_column is None:
-        return with_position_ids(ds)
-    columns = ds.columns()
-    if id_column not in columns:
-        raise ValueError(f"the input has no id column {id_column!r} (its columns: {sorted(columns)})")
-    if id_column == ID:
-        return ds
-    if ID in columns:
-        ds = ds.drop_columns([ID])
-    return ds.rename_columns({id_column: ID})
-
-
-def _check_batch(batch: pa.Table, config: BatchConfig, preprocess: RowFn | None) -> pa.Table:
-    """Per row: its id, and what is wrong with it (None if nothing)."""
-    ids, errors = [], []
+def _check_batch(batch: pa.Table, config: BatchConfig, preprocess: RowFn | None) -> list[str | None]:
+    """Per row of a batch with ids in the `id` column: what is wrong with it (None if nothing)."""
+    errors = []
     for row in batch.to_pylist():
-        ids.append(row.get(ID))
         try:
             if row.get(ID) is None:
                 raise ValueError("a row has no id (null)")
@@ -98,72 +99,62 @@ def _check_batch(batch: pa.Table, config: BatchConfig, preprocess: RowFn | None)
             errors.append(None)
         except Exception as e:  # noqa: BLE001 - reported with the row, to the driver
             errors.append(str(e) if isinstance(e, ValueError) else f"row id={row.get(ID)!r}: {type(e).__name__}: {e}")
-    return pa.table({"id_repr": pa.array([repr(i) for i in ids], pa.string()), "error": pa.array(errors, pa.string())})
-
-
-def check_input(ds: ray.data.Dataset, config: BatchConfig, preprocess: RowFn | None, source: str) -> int:
-    """Every row renders, ids are present and unique, the chat template exists: else a ValueError
-    naming the first problem. Runs before any engine starts; returns the number of rows."""
-    _check_up_front(config, ds.columns(), preprocess, source)
-    seen: set[str] = set()
-    num_rows = 0
-    try:
-        checked = ds.map_batches(_check_batch, batch_format="pyarrow", fn_kwargs={"config": config,
-                                                                                 "preprocess": preprocess})
-        for batch in checked.iter_batches(batch_format="pyarrow", batch_size=None):
-            for id_repr, error in zip(batch.column("id_repr").to_pylist(), batch.column("error").to_pylist()):
-                if error is not None:
-                    raise ValueError(f"{source}: {error}")
-                if id_repr in seen:
-                    raise ValueError(f"{source}: id {id_repr} appears more than once; ids must be unique")
-                seen.add(id_repr)
-                num_rows += 1
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a malformed line further into the file, wrapped by Ray
-        raise ValueError(f"cannot read {source}: {_root_message(e)}") from None
-    return num_rows
+    return errors
 
 
 def read_checked(path: str, fmt: str | None, config: BatchConfig, preprocess: RowFn | None
                  ) -> tuple[ray.data.Dataset, int]:
-    """The input with its ids in the `id` column, every row checked (check_input's checks, the
-    same errors): the Dataset and its number of rows.
+    """The input with its ids in the `id` column (config.id_column's, or row positions), every
+    row checked before any engine gets one: the Dataset and its number of rows. The first
+    problem (a missing column, a row that does not render, a null or repeated id) is a
+    ValueError naming it.
 
-    With row positions as ids, numbering and checking are one Ray task per block over the
-    materialized input, not two more Dataset executions: on a small cluster each execution
-    costs a second or more of scheduling, whatever the input's size. Positions are unique, so
-    only an id column needs the uniqueness pass of check_input.
+    Numbering and checking are one Ray task per block of the materialized input, not Dataset
+    executions: on a small cluster each execution costs a second or more of scheduling, and one
+    stopped early at the first bad row would force-kill its running tasks (read_input's reason).
     """
     ds = read_input(path, fmt)
-    if config.id_column is not None:
-        ds = with_ids(ds, config.id_column)
-        return ds, check_input(ds, dataclasses.replace(config, id_column=None), preprocess, path)
-    if ID in ds.columns():
+    columns = _columns(ds)
+    if config.id_column is None and ID in columns:
         raise ValueError("the input has an 'id' column: name it as the id column (--id-column id) to use it")
-    _check_up_front(config, ds.columns(), preprocess, path)
-    try:
-        with _preserve_order():
-            refs = ds.materialize().to_arrow_refs()
-        sizes = ray.get([_num_rows.remote(r) for r in refs])
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        numbered = [_number_and_check.remote(r, s, config, preprocess) for r, s in zip(refs, starts)]
-        errors = ray.get([error for _, error in numbered])
-    except Exception as e:  # noqa: BLE001 - a malformed line further into the file, wrapped by Ray
-        raise ValueError(f"cannot read {path}: {_root_message(e)}") from None
-    first = next((error for error in errors if error is not None), None)
+    _check_up_front(config, columns, preprocess, path)
+    refs = ds.to_arrow_refs()
+    if config.id_column is None:
+        starts, num_rows = _block_starts(refs)
+    else:
+        starts, num_rows = [None] * len(refs), ds.count()
+    row_config = dataclasses.replace(config, id_column=None)
+    checked = [_number_and_check.remote(r, s, config.id_column, row_config, preprocess) for r, s in zip(refs, starts)]
+    problems = ray.get([problem for _, problem, _ in checked])
+    first = next((problem for problem in problems if problem is not None), None)
     if first is not None:
         raise ValueError(f"{path}: {first}")
-    return ray.data.from_arrow_refs([table for table, _ in numbered]), sum(sizes)
+    if config.id_column is not None:
+        _check_unique(ray.get([ids for _, _, ids in checked]), path)
+    return ray.data.from_arrow_refs([table for table, _, _ in checked]), num_rows
 
 
-@ray.remote(num_returns=2)
-def _number_and_check(table: pa.Table, start: int, config: BatchConfig, preprocess: RowFn | None
-                      ) -> tuple[pa.Table, str | None]:
-    """One block numbered from `start`, and its first row problem (None: every row is fine)."""
-    table = table.append_column(ID, pa.array(range(start, start + table.num_rows), pa.int64()))
-    errors = _check_batch(table, config, preprocess).column("error")
-    return table, next((error for error in errors.to_pylist() if error is not None), None)
+@ray.remote(num_returns=3)
+def _number_and_check(table: pa.Table, start: int | None, id_column: str | None, config: BatchConfig,
+                      preprocess: RowFn | None) -> tuple[pa.Table, str | None, list[str] | None]:
+    """One block with its ids in the `id` column (id_column's, or positions from `start`), its
+    first row problem (None: every row is fine) and, for an id column, the ids' reprs."""
+    if id_column is None:
+        table = table.append_column(ID, pa.array(range(start, start + table.num_rows), pa.int64()))
+    else:
+        table = ids_from_column(table, id_column)
+    problem = next((error for error in _check_batch(table, config, preprocess) if error is not None), None)
+    ids = None if id_column is None else [repr(i) for i in table.column(ID).to_pylist()]
+    return table, problem, ids
+
+
+def _check_unique(ids_per_block: list[list[str]], source: str) -> None:
+    seen: set[str] = set()
+    for ids in ids_per_block:
+        for id_repr in ids:
+            if id_repr in seen:
+                raise ValueError(f"{source}: id {id_repr} appears more than once; ids must be unique")
+            seen.add(id_repr)
 
 
 def _check_up_front(config: BatchConfig, columns: list[str], preprocess: RowFn | None, source: str) -> None:

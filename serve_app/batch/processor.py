@@ -21,7 +21,8 @@ import ray
 
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, check_columns
-from serve_app.batch.stages import EngineClient, EngineStage, RetryCounter, RowFn, postprocess_batch, preprocess_batch
+from serve_app.batch.stages import (NO_ID_COLUMN, EngineClient, EngineStage, RetryCounter, RowFn, postprocess_batch,
+                                   preprocess_batch)
 from serve_app.placement import resolve_device
 
 # Retries: an engine actor that dies (OOM-kill, a lost node) is restarted and its batches
@@ -47,18 +48,18 @@ class Processor:
         self._engines: list = []
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
-        config = self.config
-        columns = ds.columns()
-        if config.id_column is not None:
-            check_columns(config if self.preprocess is None else _ids_only(config), columns, "the input")
-            if config.id_column != ID:
-                ds = ds.rename_columns({config.id_column: ID}) if ID not in columns else \
-                    ds.drop_columns([ID]).rename_columns({config.id_column: ID})
-        elif ID not in columns:
-            raise ValueError("the dataset has no 'id' column: set id_column=, or number the rows with "
-                             "serve_app.batch.with_position_ids(ds)")
-        elif self.preprocess is None:
-            check_columns(config, columns, "the input")
+        """The pipeline over `ds` (lazy). Its ids are id_column's, or its `id` column; preprocess
+        takes them out batch by batch, and a missing column is a ValueError naming it, here when
+        `ds` knows its schema already, else when the batch that lacks it runs."""
+        schema = ds.schema(fetch_if_missing=False)  # fetching would run (and force-stop) a read of ds
+        if schema is not None:
+            config = self.config
+            if config.id_column is None and ID not in schema.names:
+                raise ValueError(NO_ID_COLUMN)
+            if self.preprocess is None:
+                check_columns(config, schema.names, "the input")
+            elif config.id_column is not None:
+                check_columns(_ids_only(config), schema.names, "the input")
         return self.stages(ds)
 
     def start_engines(self) -> None:

@@ -24,7 +24,7 @@ import pyarrow as pa
 from engine.errors import InvalidRequestError
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.prompts import build_prompts, load_tokenizer, tokenize_prompts
+from serve_app.batch.prompts import ID, build_prompts, load_tokenizer, tokenize_prompts
 from serve_app.guardrail_policy import GuardrailPolicy, check_output
 from serve_app.placement import use_cpu_threads
 
@@ -45,8 +45,29 @@ def to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return table
 
 
+NO_ID_COLUMN = ("the dataset has no 'id' column: set id_column=, or number the rows with "
+                "serve_app.batch.with_position_ids(ds)")
+
+
+def ids_from_column(table: pa.Table, id_column: str | None) -> pa.Table:
+    """The table with its ids in the `id` column: id_column's (renamed; an `id` column it replaces is
+    dropped), or the `id` column it has. Either missing is a ValueError naming it."""
+    names = table.column_names
+    if id_column is None:
+        if ID not in names:
+            raise ValueError(NO_ID_COLUMN)
+        return table
+    if id_column not in names:
+        raise ValueError(f"the input has no id column {id_column!r} (its columns: {sorted(names)})")
+    if id_column == ID:
+        return table
+    if ID in names:
+        table = table.drop_columns([ID])
+    return table.rename_columns([ID if name == id_column else name for name in table.column_names])
+
+
 def preprocess_batch(batch: pa.Table, config: BatchConfig, preprocess: RowFn | None) -> pa.Table:
-    rows = batch.to_pylist()
+    rows = ids_from_column(batch, config.id_column).to_pylist()
     if preprocess is not None:
         rows = [_checked(preprocess(dict(row)), "preprocess", row) for row in rows]
     tokenizer = load_tokenizer(config.model) if config.chat else None  # the chat template's
