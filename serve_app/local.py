@@ -27,6 +27,10 @@ APP_NAME = "llm"
 # it is environment, not an app arg; a value already set in the environment wins ("0" = off).
 HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 METRICS_REPORT_INTERVAL_MS = 1000
+# A stopping direct-ingress replica stays reachable this long so that load balancers in front
+# can deregister it; Ray's default, 30 s, made every test module's teardown wait 30 s for the
+# Ingress. Here HAProxy on the same node is the only balancer, reloaded as the replica stops.
+DRAINING_PERIOD_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 RAY_METRICS_REPORT_INTERVAL_MS = 10_000  # Ray's own default: what `serve run` clusters have
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -47,7 +51,7 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     # calls) from this process's environment at import (serve_app/app.py builds them here).
     mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
     haproxy_dir = tempfile.mkdtemp(prefix="haproxy-serve-")
-    os.environ.update({**_haproxy_private_env(haproxy_dir), **os.environ, **mode})
+    os.environ.update({**_haproxy_private_env(haproxy_dir), **DRAINING_PERIOD_ENV, **os.environ, **mode})
     import ray
     from ray import serve
 
