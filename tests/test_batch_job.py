@@ -116,6 +116,18 @@ def test_json_schema_rows_are_valid_or_flagged(ray_cluster, tiny_llama, tmp_path
     assert summary.num_invalid == sum(not r["valid"] for r in rows)
 
 
+def test_continue_on_error_writes_the_refused_row_and_finishes_the_job(ray_cluster, tiny_llama, tmp_path):
+    prompts = ["a fine prompt", "word " * 3000, "another fine one", "and a last"]  # [1]: over 2048 positions
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in prompts])
+    config = BatchConfig(model=tiny_llama, device="cpu", max_tokens=4, batch_size=2, continue_on_error=True)
+    summary = run_job(config, src, str(tmp_path / "out"), output_format="parquet", progress=False)
+    rows = _by_id(tmp_path / "out")  # Parquet shards with and without a failed row read as one schema
+    assert sorted(rows) == [0, 1, 2, 3] and (summary.num_rows, summary.num_failed) == (4, 1)
+    assert (rows[1]["text"], rows[1]["finish_reason"]) == (None, "error") and "row id=1" in rows[1]["error"]
+    assert all(rows[i]["error"] is None and rows[i]["num_generated_tokens"] == 4 for i in (0, 2, 3))
+    assert summary.num_generated_tokens == 12 and "1 failed rows" in str(summary)
+
+
 def test_processor_api_with_preprocess_and_postprocess(ray_cluster, tiny_llama, tmp_path, no_early_stops):
     import ray
     # A lazy read, its schema unknown: the ids are taken from the `key` column batch by batch.

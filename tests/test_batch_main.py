@@ -19,8 +19,11 @@ def test_arguments_become_the_config(tiny_llama, tmp_path):
     schema.write_text('{"type": "object"}')
     args = parse_args(["--model", tiny_llama, "--input", "x.csv", "--output", "o", "--chat", "--seed", "3",
                        "--temperature", "0.5", "--response-format", str(schema), "--max-num-seqs", "8",
-                       "--tensor-parallel-size", "2", "--device", "cuda", "--address", "local"])
+                       "--tensor-parallel-size", "2", "--device", "cuda", "--address", "local",
+                       "--continue-on-error"])
     config = _config(args)
+    assert config.continue_on_error and not _config(parse_args(["--model", tiny_llama, "--input", "x.csv",
+                                                                "--output", "o"])).continue_on_error
     assert (config.chat, config.seed, config.temperature, config.tensor_parallel_size) == (True, 3, 0.5, 2)
     assert config.response_format == {"type": "object"} and config.engine_kwargs == {"max_num_seqs": 8}
     assert config.prompt_column == "prompt" and config.batch_size == 256

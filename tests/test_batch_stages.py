@@ -101,6 +101,24 @@ def test_a_row_the_engine_refuses_fails_its_batch_at_once_naming_it(tiny_llama):
     assert stage.llm is engine and engine.is_running and counter.count == 0  # no engine would take it
 
 
+def test_continue_on_error_keeps_a_refused_row_with_its_error_and_generates_the_rest(tiny_llama):
+    stage = EngineStage(BatchConfig(model=tiny_llama, max_tokens=4, continue_on_error=True,
+                                    response_format={"type": "json_object"}))
+    prompts = ["fine", "word " * 3000, "also fine"]  # the second is longer than the model's 2048 positions
+    out = asyncio.run(stage(_rows(stage.config, prompts))).to_pylist()
+    expected = LLM(tiny_llama).generate([prompts[0], prompts[2]], stage.config.sampling_params(0), use_tqdm=False)
+    assert [out[0]["text"], out[2]["text"]] == [e.outputs[0].text for e in expected]
+    assert out[0]["error"] is None and out[0]["num_generated_tokens"] == len(expected[0].outputs[0].token_ids)
+    refused = out[1]
+    assert (refused["id"], refused["text"], refused["finish_reason"]) == (1, None, "error")
+    assert refused["num_prompt_tokens"] is None and refused["num_generated_tokens"] is None
+    assert refused["error"].startswith("row id=1: ") and "2048" in refused["error"]
+    checked = postprocess_batch(pa.Table.from_pylist(out), stage.config, None).to_pylist()
+    assert checked[1]["valid"] is False and checked[1]["error"] == refused["error"]  # its reason is kept
+    with pytest.raises(ValueError, match="continue_on_error='yes' is invalid"):
+        BatchConfig(model=tiny_llama, continue_on_error="yes")
+
+
 def test_json_rows_are_flagged_not_dropped(tiny_llama):
     config = BatchConfig(model=tiny_llama, response_format=SCHEMA)
     batch = pa.Table.from_pylist([

@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, help="engine knob: sequences batched at once")
     p.add_argument("--cpu-threads", type=int, help="torch threads of a CPU engine actor")
     p.add_argument("--resume", action="store_true", help="skip the ids the output directory holds already")
+    p.add_argument("--continue-on-error", action="store_true",
+                   help="a row the engine refuses (a prompt longer than the model's context, ...) is written with "
+                        "finish_reason 'error', no text and the reason in 'error', instead of failing the job")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or "local",
                    help="Ray cluster to run on (default: RAY_ADDRESS, else a new local cluster; "
                         "never one found by chance on this machine)")
@@ -55,7 +58,7 @@ def _config(args: argparse.Namespace):
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, num_replicas=args.num_replicas,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
         batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches, cpu_threads=args.cpu_threads,
-        engine_kwargs=engine_kwargs)
+        continue_on_error=args.continue_on_error, engine_kwargs=engine_kwargs)
 
 
 def _raise_interrupt(signum, frame):

@@ -37,6 +37,7 @@ class BatchConfig:
     batch_size: int = 256                   # rows per engine call (and per shard)
     max_concurrent_batches: int | None = None  # batches in one engine at once; None: enough to keep it full
     max_batch_retries: int = 2              # a batch whose generation raises is retried on a fresh engine
+    continue_on_error: bool = False         # a row the engine refuses is written with its error, not fatal
     cpu_threads: int | None = None          # torch threads of a CPU engine actor; None: every core it may use
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more engine.LLM knobs (max_num_seqs, ...)
 
@@ -52,6 +53,8 @@ class BatchConfig:
         for name in ("num_replicas", "tensor_parallel_size", "batch_size"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("max_batch_retries", self.max_batch_retries, minimum=0)
+        if not isinstance(self.continue_on_error, bool):
+            raise ValueError(f"continue_on_error={self.continue_on_error!r} is invalid: must be true or false")
         if self.cpu_threads is not None:
             check_int("cpu_threads", self.cpu_threads, minimum=1)
         if self.max_concurrent_batches is not None:

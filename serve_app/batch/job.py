@@ -25,7 +25,7 @@ from serve_app.batch import shards
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.inputs import filter_done, read_checked
 from serve_app.batch.processor import CPU_STAGE_CPUS, Processor
-from serve_app.batch.stages import RowFn
+from serve_app.batch.stages import ERROR_FINISH_REASON, RowFn
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class JobSummary:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_invalid: int = 0              # rows whose output failed the response_format (valid = false)
+    num_failed: int = 0               # rows the engine refused, written with their error (continue_on_error)
     num_retries: int = 0              # engine-stage batch attempts beyond each batch's first: retried in
                                       # its actor on a fresh engine, or re-run by Ray after its actor died
     num_actor_restarts: int = 0       # engine actors Ray restarted after they died
@@ -51,6 +52,7 @@ class JobSummary:
         tok_rate = self.num_generated_tokens / self.wall_s if self.wall_s else 0.0
         return (f"{self.num_rows} rows written ({self.num_skipped} already done), {self.num_prompt_tokens} prompt "
                 f"+ {self.num_generated_tokens} generated tokens, {self.num_invalid} invalid JSON rows, "
+                f"{self.num_failed} failed rows, "
                 f"{self.num_retries} batch retries ({self.num_actor_restarts} engine actor restarts), "
                 f"{self.num_shards} shards, {self.wall_s:.1f} s "
                 f"({self.check_s:.1f} s reading and checking the input; {rate:.2f} rows/s, "
@@ -61,10 +63,12 @@ def _write_batch(batch: pa.Table, output: str, fmt: str) -> pa.Table:
     """Write one batch as a shard; return one row of counts for the driver's progress and summary."""
     name = shards.write_shard(output, batch, fmt)
     valid = batch.column("valid").to_pylist() if "valid" in batch.column_names else []
+    failed = [reason == ERROR_FINISH_REASON for reason in batch.column("finish_reason").to_pylist()]
     return pa.table({"shard": [name], "num_rows": [batch.num_rows],
-                     "num_prompt_tokens": [sum(batch.column("num_prompt_tokens").to_pylist())],
-                     "num_generated_tokens": [sum(batch.column("num_generated_tokens").to_pylist())],
-                     "num_invalid": [sum(1 for v in valid if not v)]})
+                     "num_prompt_tokens": [sum(n or 0 for n in batch.column("num_prompt_tokens").to_pylist())],
+                     "num_generated_tokens": [sum(n or 0 for n in batch.column("num_generated_tokens").to_pylist())],
+                     "num_invalid": [sum(1 for v, f in zip(valid, failed) if not v and not f)],
+                     "num_failed": [sum(failed)]})
 
 
 def run_job(config: BatchConfig, input_path: str, output: str, *, resume: bool = False,
@@ -138,10 +142,11 @@ def _drive(written: ray.data.Dataset, summary: JobSummary, total: int, start: fl
             summary.num_prompt_tokens += row["num_prompt_tokens"]
             summary.num_generated_tokens += row["num_generated_tokens"]
             summary.num_invalid += row["num_invalid"]
+            summary.num_failed += row["num_failed"]
             summary.num_shards += 1
             if summary.num_shards == 1:
                 summary.first_shard_s, summary.first_shard_rows = time.monotonic() - start, row["num_rows"]
             bar.update(row["num_rows"])
             elapsed = time.monotonic() - start
             bar.set_postfix_str(f"{summary.num_generated_tokens / elapsed:.1f} tok/s, "
-                                f"{summary.num_invalid} invalid", refresh=False)
+                                f"{summary.num_invalid} invalid, {summary.num_failed} failed", refresh=False)

@@ -14,6 +14,7 @@ adding special tokens (the template wrote them), as `engine.LLM.chat` does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ from serve_app.placement import use_cpu_threads
 logger = logging.getLogger(__name__)
 
 RowFn = Callable[[dict[str, Any]], dict[str, Any]]
+ERROR_FINISH_REASON = "error"  # a row the engine refused, kept with continue_on_error (text: null)
 # Output columns whose type Arrow cannot guess from a batch where every value is null.
 _TYPES = {"prompt": pa.string(), "text": pa.string(), "finish_reason": pa.string(), "error": pa.string(),
           "valid": pa.bool_(), "num_prompt_tokens": pa.int64(), "num_generated_tokens": pa.int64()}
@@ -80,6 +82,9 @@ def postprocess_batch(batch: pa.Table, config: BatchConfig, postprocess: RowFn |
     if structured is not None:
         policy = GuardrailPolicy()
         for row in rows:
+            if row["finish_reason"] == ERROR_FINISH_REASON:  # no text to check; its error stays
+                row["valid"] = False
+                continue
             schema = None if structured.json_object else structured.json
             result = check_output(row["text"], schema, structured.json_object, policy, row["finish_reason"])
             row["valid"] = result.passed
@@ -145,9 +150,15 @@ class EngineStage:
             await self.retry_counter.batch_started.remote(batch_key(ids))
         outputs = await self._generate(prompts, params, ids)
         for row, out in zip(rows, outputs):
+            if isinstance(out, RowError):  # continue_on_error: the row is kept, with why it has no text
+                row.update(text=None, num_prompt_tokens=None, num_generated_tokens=None,
+                           finish_reason=ERROR_FINISH_REASON, error=out.message)
+                continue
             completion = out.outputs[0]
             row.update(text=completion.text, num_prompt_tokens=len(out.prompt_token_ids),
                        num_generated_tokens=len(completion.token_ids), finish_reason=completion.finish_reason)
+            if self.config.continue_on_error:
+                row["error"] = None  # every shard has the column, so Parquet shards share one schema
         return to_table(rows)
 
     async def generate_batch(self, batch: pa.Table) -> pa.Table:
@@ -166,7 +177,8 @@ class EngineStage:
             llm = self.llm
             try:
                 async with asyncio.TaskGroup() as group:  # one request fails: the batch's others are aborted
-                    tasks = [group.create_task(_final_output(llm, *args)) for args in zip(prompts, params, ids)]
+                    tasks = [group.create_task(_final_output(llm, *args, self.config.continue_on_error))
+                             for args in zip(prompts, params, ids)]
                 return [t.result() for t in tasks]
             except Exception as e:  # noqa: BLE001 - a TaskGroup raises an ExceptionGroup
                 error = _first_error(e)
@@ -214,13 +226,22 @@ class EngineClient:
             self.in_flight[i] -= 1
 
 
-async def _final_output(llm, prompt, params, row_id):
+@dataclasses.dataclass
+class RowError:
+    """A row the engine refused (continue_on_error): what it said, naming the row."""
+    message: str
+
+
+async def _final_output(llm, prompt, params, row_id, keep_refusals: bool = False):
     final = None
     try:
         async for out in llm.generate(prompt, params):
             final = out
     except InvalidRequestError as e:  # the same type, with the row's id in the message
-        raise type(e)(f"row id={row_id!r}: {e}", e.param, e.code) from None
+        message = f"row id={row_id!r}: {e}"
+        if keep_refusals:
+            return RowError(message)
+        raise type(e)(message, e.param, e.code) from None
     return final
 
 
