@@ -74,6 +74,18 @@ def test_image_and_ray_version_match_the_dockerfile(manifest):
         warnings.warn(f"Ray {ray.__version__} installed here, {ray_version} in the image", stacklevel=1)
 
 
+def test_serving_environment_is_the_same_everywhere(manifest):
+    """The high-throughput mode and the controller's loop interval: local_server (tests,
+    benchmarks), `make serve`, the image and the RayService's head all run Serve with them."""
+    from serve_app.local import CONTROL_LOOP_ENV, HIGH_THROUGHPUT_ENV
+    wanted = {**HIGH_THROUGHPUT_ENV, **CONTROL_LOOP_ENV}
+    head_env = {e["name"]: e["value"] for e in _containers(manifest)[0][2]["env"]}
+    assert {k: head_env.get(k) for k in wanted} == wanted
+    settings = " ".join(f"{k}={v}" for k, v in wanted.items())
+    assert re.search(rf"^ENV {re.escape(settings)}$", DOCKERFILE.read_text(), re.M)
+    assert re.search(rf"^SERVE_ENV \?= {re.escape(settings)}$", (ROOT / "Makefile").read_text(), re.M)
+
+
 # -- the checks can fail ----------------------------------------------------------------------
 def _set(path: str, value):
     """Set (or delete) the node at a dotted path; list indices are numbers, `nvidia.com/gpu` is one key."""

@@ -397,6 +397,24 @@ def test_load_shedding_is_503_with_retry_after(http):
 
 
 # -- control surface ---------------------------------------------------------------------
+def test_serve_controller_runs_with_the_serving_environment(base_url):
+    """What local_server sets reaches Serve's controller, the process that reads it (its loop
+    interval) -- through the raylet that starts it, not an environment of this test's own."""
+    from serve_app.local import CONTROL_LOOP_ENV
+    environs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ServeController" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environs.append(dict(e.split("=", 1) for e in f.read().decode().split("\0") if "=" in e))
+        except OSError:  # a process that ended meanwhile
+            continue
+    assert environs, "no ServeController process found"
+    assert all({k: env.get(k) for k in CONTROL_LOOP_ENV} == CONTROL_LOOP_ENV for env in environs)
+
+
 def test_models_health_metrics(client, http):
     (m,) = client.models.list().data
     assert m.id == MODEL
