@@ -116,6 +116,17 @@ def test_json_schema_rows_are_valid_or_flagged(ray_cluster, tiny_llama, tmp_path
     assert summary.num_invalid == sum(not r["valid"] for r in rows)
 
 
+def test_position_ids_number_the_rows_in_input_order(ray_cluster, tmp_path, no_early_stops):
+    import ray
+
+    from serve_app.batch import with_position_ids
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}"} for i in range(7)])
+    rows = with_position_ids(ray.data.read_json(src, lines=True)).take_all()
+    assert [(r["id"], r["prompt"]) for r in rows] == [(i, f"p{i}") for i in range(7)]
+    with pytest.raises(ValueError, match="has an 'id' column: name it as the id column"):
+        with_position_ids(ray.data.from_items([{"id": 1}]))
+
+
 def test_continue_on_error_writes_the_refused_row_and_finishes_the_job(ray_cluster, tiny_llama, tmp_path):
     prompts = ["a fine prompt", "word " * 3000, "another fine one", "and a last"]  # [1]: over 2048 positions
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in prompts])

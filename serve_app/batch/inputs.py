@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any
 
 import pyarrow as pa
@@ -65,12 +66,15 @@ def _num_rows(table: pa.Table) -> int:
 def _block_starts(refs: list) -> tuple[list[int], int]:
     """Each block's first row position, and the number of rows."""
     sizes = ray.get([_num_rows.remote(r) for r in refs])
-    return [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
+    return [0, *itertools.accumulate(sizes)][:-1], sum(sizes)
 
 
-@ray.remote
-def _add_ids(table: pa.Table, start: int) -> pa.Table:
+def _with_positions(table: pa.Table, start: int) -> pa.Table:
+    """The block with an `id` column: its rows' positions in the input, from `start`."""
     return table.append_column(ID, pa.array(range(start, start + table.num_rows), pa.int64()))
+
+
+_add_ids = ray.remote(_with_positions)
 
 
 def with_position_ids(ds: ray.data.Dataset) -> ray.data.Dataset:
@@ -139,10 +143,7 @@ def _number_and_check(table: pa.Table, start: int | None, id_column: str | None,
                       preprocess: RowFn | None) -> tuple[pa.Table, str | None, list[str] | None]:
     """One block with its ids in the `id` column (id_column's, or positions from `start`), its
     first row problem (None: every row is fine) and, for an id column, the ids' reprs."""
-    if id_column is None:
-        table = table.append_column(ID, pa.array(range(start, start + table.num_rows), pa.int64()))
-    else:
-        table = ids_from_column(table, id_column)
+    table = _with_positions(table, start) if id_column is None else ids_from_column(table, id_column)
     problem = next((error for error in _check_batch(table, config, preprocess) if error is not None), None)
     ids = None if id_column is None else [repr(i) for i in table.column(ID).to_pylist()]
     return table, problem, ids
