@@ -1,14 +1,19 @@
 """Batch job throughput: `python -m serve_app.batch`'s pipeline against `engine.LLM.generate`.
 
     python -m loadtest.batch_bench [--num-rows 1024] [--input-words 32] [--max-tokens 64] [--quick]
+                                   [--device cpu|cuda] [--model DIR]
 
-The same prompts (random words, greedy, a fixed max_tokens) two ways, on the ~22M bench model:
+The same prompts (random words, greedy, a fixed max_tokens) two ways, on the ~22M bench model
+(or --model):
     peer    engine.LLM.generate on all prompts in this process (model loading excluded, one warm-up)
     batch   run_job: JSONL in -> checks -> Ray Data preprocess -> one engine actor -> shards out,
             end to end (reading, the up-front row checks, actor start and model load included;
             ray.init excluded), in a local Ray cluster started by this process
 Figures: rows/s and generated tokens/s; the ratio batch / peer (the issue's target: >= 0.85 with
-one actor). The outputs are compared row by row (greedy: they must be equal).
+one actor). The outputs are compared row by row (greedy: they must be equal). On CUDA the batch
+job runs first, so that its actor's process has the GPU to itself and gives it back before the
+peer loads; there the count of equal rows is reported, not required: bf16 matrix products differ
+with the batch's size, and the two paths batch the rows differently.
 """
 from __future__ import annotations
 
@@ -29,9 +34,9 @@ def progress(message: str) -> None:
     print(f"[loadtest.batch_bench] {message}", file=sys.stderr, flush=True)
 
 
-def run_peer(model: str, prompts: list[str], max_tokens: int) -> tuple[float, list[str], int]:
+def run_peer(model: str, prompts: list[str], max_tokens: int, device: str) -> tuple[float, list[str], int]:
     from engine import LLM, SamplingParams
-    llm = LLM(model, device="cpu")
+    llm = LLM(model, device=device)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -43,14 +48,14 @@ def run_peer(model: str, prompts: list[str], max_tokens: int) -> tuple[float, li
     return wall, texts, tokens
 
 
-def run_batch(model: str, src: str, out: str, max_tokens: int, batch_size: int):
+def run_batch(model: str, src: str, out: str, max_tokens: int, batch_size: int, device: str):
     import ray
 
     from serve_app.batch import BatchConfig, run_job, shards
     from serve_app.batch.cluster import init_ray
     init_ray("local")  # as the CLI starts its cluster
     try:
-        config = BatchConfig(model=model, device="cpu", max_tokens=max_tokens, batch_size=batch_size)
+        config = BatchConfig(model=model, device=device, max_tokens=max_tokens, batch_size=batch_size)
         summary = run_job(config, src, out, progress=False)
     finally:
         ray.shutdown()
@@ -66,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--quick", action="store_true", help="64 rows, 16 tokens: a smoke run")
     p.add_argument("--out", default="bench_out/batch_bench.json")
     args = p.parse_args(argv)
@@ -95,12 +101,24 @@ def run(args: argparse.Namespace, work: Path) -> int:
     src = work / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in prompts))
 
-    progress(f"peer: LLM.generate on {len(prompts)} prompts")
-    peer_wall, peer_texts, peer_tokens = run_peer(model, prompts, args.max_tokens)
-    gc.collect()
-    progress("batch job: one engine actor")
-    summary, batch_texts = run_batch(model, str(src), str(work / "out"), args.max_tokens, args.batch_size)
-    progress(f"batch job: {summary}")
+    def peer():
+        progress(f"peer: LLM.generate on {len(prompts)} prompts")
+        result = run_peer(model, prompts, args.max_tokens, args.device)
+        gc.collect()
+        return result
+
+    def batch():
+        progress("batch job: one engine actor")
+        result = run_batch(model, str(src), str(work / "out"), args.max_tokens, args.batch_size, args.device)
+        progress(f"batch job: {result[0]}")
+        return result
+
+    if args.device == "cuda":
+        summary, batch_texts = batch()
+        peer_wall, peer_texts, peer_tokens = peer()
+    else:
+        peer_wall, peer_texts, peer_tokens = peer()
+        summary, batch_texts = batch()
     batch_wall = summary.wall_s
     same = sum(a == b for a, b in zip(peer_texts, batch_texts))
     rows = [["LLM.generate (peer)", len(prompts) / peer_wall, peer_tokens / peer_wall, 1.0],
@@ -117,7 +135,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
                      steady_rows / steady_s / peer_rows_s])
     payload = base_metadata(sys.argv) | {
         "workload": {"num_rows": args.num_rows, "input_words": args.input_words, "max_tokens": args.max_tokens,
-                     "batch_size": args.batch_size, "model": model},
+                     "batch_size": args.batch_size, "model": model, "device": args.device},
         "peer": {"wall_s": peer_wall, "generated_tokens": peer_tokens},
         "batch": {"wall_s": batch_wall, "check_s": summary.check_s, "first_shard_s": summary.first_shard_s,
                   "first_shard_rows": summary.first_shard_rows, "generated_tokens": summary.num_generated_tokens,
@@ -126,7 +144,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     write_json(args.out, payload)
     print(format_table(["path", "rows/s", "gen tok/s", "/ peer"], rows))
     print(f"outputs equal row for row: {same}/{len(prompts)}; full numbers in {args.out}")
-    return 0 if same == len(prompts) else 1
+    return 0 if same == len(prompts) or args.device == "cuda" else 1
 
 
 if __name__ == "__main__":

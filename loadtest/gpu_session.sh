@@ -12,6 +12,10 @@
 #   bash loadtest/gpu_session.sh profile   # issue 9: GPU busy share of a steady decode step, overlap off/on
 #   bash loadtest/gpu_session.sh overhead  # issue 8: engine vs AsyncLLM vs the Serve app, stream intervals
 #                                          # (needs Ray, FastAPI on PYTHONPATH: shared/gpu/serve_on_device.md)
+#   bash loadtest/gpu_session.sh serving   # issue 8's shape: 256 requests 512 in / 256 out at concurrency 256,
+#                                          # served (three stream budgets) vs AsyncLLM vs offline
+#   bash loadtest/gpu_session.sh batch     # issue 13: the batch job vs LLM.generate, Qwen3-0.6B shape
+#   bash loadtest/gpu_session.sh engine-tests  # the CUDA engine tests alone (greedy vs HF, graphs, bf16)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
 # jsonschema: carry their wheels (docs/benchmarks.md, "GPU tests") and put them on
 # PYTHONPATH first, or the guided tests skip. Logs and JSON go to $OUT (or bench_out/gpu).
@@ -67,6 +71,18 @@ case "$stage" in
     python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
       --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
       --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead)"
+  serving)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 256 \
+      --num-ttft-requests 4 --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async \
+      --metrics-interval-ms 1000 --sweep max_stream_messages_per_s=2000,1000,4000 --out "$out/serving_gpu.json" 2>&1 | tee "$out/serving_gpu.log" ;;
+  batch)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    python3 -m loadtest.batch_bench --device cuda --model /tmp/qwen3-0.6b --num-rows 2048 --max-tokens 128 \
+      --out "$out/batch_gpu.json" 2>&1 | tee "$out/batch_gpu.log" ;;
+  engine-tests)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
+      tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|batch|engine-tests)"
      exit 2 ;;
 esac

@@ -117,8 +117,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="KEY=V1,V2: values of an engine replica user_config field (e.g. "
                          "max_stream_messages_per_s=100,200), one serve path each, on one running app")
     ap.add_argument("--rounds", type=int, default=1, help="run the paths this many times in turn; medians")
+    ap.add_argument("--metrics-interval-ms", type=int, default=None,
+                    help="how often the serve path's Ray agent publishes metrics (default: Ray's own 10 s, what "
+                         "`serve run` clusters have). Each serve path waits 5 intervals for /metrics; a shorter "
+                         "one saves that time where the agent's CPU does not matter (a GPU host's spare cores)")
     ap.add_argument("--out", type=Path, default=Path("bench_out/overhead.json"))
     args = ap.parse_args(argv)
+    if args.metrics_interval_ms is not None and args.metrics_interval_ms < 100:
+        ap.error(f"--metrics-interval-ms={args.metrics_interval_ms} must be >= 100")
     for name in ("concurrency", "num_requests", "num_ttft_requests", "input_len", "output_len", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -199,9 +205,11 @@ def main(argv: list[str] | None = None) -> dict:
     kwargs = engine_kwargs(args, Path(model))
     runners = {"offline": lambda: {"offline": run_offline(kwargs, requests)},
                "async": lambda: {"async": asyncio.run(run_async(kwargs, requests, ttft_requests, args.concurrency))},
-               "serve": lambda: run_serve(kwargs, workload, args.concurrency, dict(args.serve_arg), args.sweep),
-               "serve_pyproxy": lambda: run_serve(kwargs, workload, args.concurrency,
-                                                  dict(args.serve_arg), args.sweep, high_throughput=False)}
+               "serve": lambda: run_serve(kwargs, workload, args.concurrency, dict(args.serve_arg), args.sweep,
+                                          metrics_interval_ms=args.metrics_interval_ms),
+               "serve_pyproxy": lambda: run_serve(kwargs, workload, args.concurrency, dict(args.serve_arg),
+                                                  args.sweep, high_throughput=False,
+                                                  metrics_interval_ms=args.metrics_interval_ms)}
     report["rounds"] = []
     for k in range(args.rounds):
         results = {}

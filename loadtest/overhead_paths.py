@@ -172,7 +172,7 @@ async def _serve_levels(url: str, requests, ttft_requests, concurrency: int, met
 
 def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concurrency: int,
               extra_args: dict, sweep: tuple[str, list] | None = None,
-              high_throughput: bool = True) -> dict[str, dict]:
+              high_throughput: bool = True, metrics_interval_ms: int | None = None) -> dict[str, dict]:
     """{path name: result}: "serve", or one "serve_KEY=V" per value of a sweep (KEY, [V, ...]) over
     the engine replica's user_config (StreamingConfig), all on one running app.
 
@@ -181,6 +181,7 @@ def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concur
     `workload(k)`: the same shape, fresh prompts, because the app's prefix cache still holds
     the previous point's (reusing them made later points skip their prefill: 1.3x offline).
     high_throughput=False: behind Serve's Python proxy instead of HAProxy (names end in "_pyproxy").
+    metrics_interval_ms: Ray's metrics publishing interval; None: Ray's own, as `serve run` has it.
     """
     from serve_app.args import StreamingConfig
     from serve_app.local import RAY_METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_engine
@@ -190,9 +191,9 @@ def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concur
     key, values = sweep or (None, [None])
     results = {}
     suffix = "" if high_throughput else "_pyproxy"
-    # Ray's own metrics interval, as `serve run` has it: the benchmark measures what users run.
-    with local_server(args, high_throughput=high_throughput,
-                      metrics_report_interval_ms=RAY_METRICS_REPORT_INTERVAL_MS) as url:
+    # By default Ray's own metrics interval, as `serve run` has it: the benchmark measures what users run.
+    interval_ms = metrics_interval_ms or RAY_METRICS_REPORT_INTERVAL_MS
+    with local_server(args, high_throughput=high_throughput, metrics_report_interval_ms=interval_ms) as url:
         for k, value in enumerate(values):
             requests, ttft_requests = workload(k)
             name, point = "serve" + suffix, {}
@@ -201,7 +202,7 @@ def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concur
                 reconfigure_engine(streaming | point)
                 name = f"serve_{key}={_fmt(value)}{suffix}"
             results[name] = asyncio.run(_serve_levels(url, requests, ttft_requests, concurrency,
-                                                      RAY_METRICS_REPORT_INTERVAL_MS / 1000))
+                                                      interval_ms / 1000))
             results[name]["app_args"] = args | point
     return results
 
