@@ -34,7 +34,7 @@ from pathlib import Path
 
 from loadtest.overhead_paths import run_async, run_offline, run_serve
 from loadtest.report import base_metadata, format_table, write_json
-from loadtest.workload import BenchRequest
+from loadtest.workload import BenchRequest, prompt_id_limit
 
 DEFAULT_MODEL_DIR = Path("bench_out/model-bench")
 PATHS = ("offline", "async", "serve", "serve_pyproxy")
@@ -194,10 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     model = args.model or _bench_model()
-    import json
-
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    workload = make_workload(args, vocab)
+    workload = make_workload(args, prompt_id_limit(Path(model)))
     requests, ttft_requests = workload(0)
     report = base_metadata(["python", "-m", "loadtest.overhead", *argv])
     report["workload"] = {k: getattr(args, k) for k in ("concurrency", "num_requests", "num_ttft_requests",

@@ -6,8 +6,10 @@ machine and Python version.
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 # Common one-token English words: with most BPE vocabularies a prompt of N of
 # them, space-separated, is about N tokens, so `--input-len` means tokens.
@@ -37,6 +39,23 @@ def _check_range(name: str, lo_hi: tuple[int, int], minimum: int) -> None:
     lo, hi = lo_hi
     if not minimum <= lo <= hi:
         raise ValueError(f"{name}={lo_hi!r} is invalid: need {minimum} <= low <= high")
+
+
+def prompt_id_limit(model_dir: Path) -> int:
+    """The end of the ids a random prompt for this checkpoint should draw from: its tokenizer's
+    size where that is below the config's vocab_size.
+
+    The shape presets (engine.tools.tiny_model) pad vocab_size to the real model's (151,936 for
+    Qwen3) with zero embeddings past their 4,000-token tokenizer. A prompt drawn from all of it is
+    ~97% padding ids; the random model then emits special tokens, which stream no text at all.
+    """
+    from tokenizers import Tokenizer
+
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    tokenizer = Path(model_dir) / "tokenizer.json"
+    if not tokenizer.exists():
+        return vocab_size
+    return min(vocab_size, Tokenizer.from_file(str(tokenizer)).get_vocab_size())
 
 
 def make_offline_workload(num_requests: int, seed: int, vocab_size: int,
