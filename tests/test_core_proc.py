@@ -8,7 +8,9 @@ import time
 import pytest
 
 from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
+from engine.core_proc import PromptCache
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.outputs import CompletionOutput, RequestOutput
 
 DELTA = dict(temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
@@ -75,6 +77,48 @@ def test_engine_process_streams_what_the_thread_streams(tiny_llama, proc_llm):
     stats = asyncio.run(_wait_idle(proc_llm))
     assert stats["num_generated_tokens"] == 6 * 12
     assert sum(s.num_generation_tokens for s in proc_llm.pop_iteration_stats()) == 6 * 12
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_every_output_carries_its_prompt(proc_llm, kind):
+    """The prompt crosses the pipe once per request; each output still has it, and the parent
+    forgets it when the request ends, finished or aborted."""
+    ids = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, output_kind=kind)
+
+    async def main():
+        outs = [out async for out in proc_llm.generate({"prompt_token_ids": ids, "prompt": "five ids"}, params, "a")]
+        texts = [out async for out in proc_llm.generate("some text", params, "b")]
+        long = proc_llm.generate("abort me", SamplingParams(max_tokens=400, **DELTA), "c")
+        first = await long.__anext__()
+        await long.aclose()
+        await _wait_idle(proc_llm)
+        return outs, texts, first
+    outs, texts, first = asyncio.run(main())
+    assert len(outs) > 1 and all(o.prompt_token_ids == ids and o.prompt == "five ids" for o in outs)
+    assert len(texts) > 1 and all(o.prompt == "some text" and o.prompt_token_ids == texts[0].prompt_token_ids
+                                  for o in texts)
+    assert texts[0].prompt_token_ids and first.prompt == "abort me"
+    assert len(proc_llm._core._prompts) == 0
+
+
+def _out(request_id: str, finished: bool, prompt_ids: list[int]) -> RequestOutput:
+    return RequestOutput(request_id, "p", list(prompt_ids), [CompletionOutput(0, "t", [1])], finished)
+
+
+def test_prompt_cache_sends_a_prompt_once_and_forgets_finished_requests():
+    child, parent = PromptCache(), PromptCache()
+    steps = [[("a", _out("a", False, [1, 2])), ("b", _out("b", True, [3]))],   # b: one output only
+             [("a", _out("a", False, [1, 2])), ("c", ValueError("refused"))],
+             [("a", _out("a", True, [1, 2]))]]
+    for k, pairs in enumerate(steps):
+        sent = child.strip(pairs)
+        if k:  # only a's first output carries its prompt
+            assert all(out.prompt_token_ids is None for _, out in sent if isinstance(out, RequestOutput))
+        restored = parent.restore(sent)
+        assert all(out.prompt_token_ids and out.prompt == "p" for _, out in restored
+                   if isinstance(out, RequestOutput))
+    assert len(child) == len(parent) == 0
 
 
 def test_invalid_request_fails_alone(proc_llm):
