@@ -6,6 +6,8 @@ GPU takes (placeholders, decode inputs taken from the previous step's device ten
 discarded tokens of sequences that stopped, preemption of a sequence with a step in flight).
 Random rows are seeded, so each row's tokens depend only on its own seed and logits.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,6 +45,38 @@ def _summary(outs):
              o.prompt_logprobs) for o in outs]
 
 
+def _split_floats(x):
+    """(x with every float replaced by None, the floats in order): exact structure, tolerant values."""
+    floats = []
+
+    def walk(v):
+        if isinstance(v, float):
+            floats.append(v)
+            return None
+        if isinstance(v, (list, tuple)):
+            return type(v)(walk(i) for i in v)
+        if isinstance(v, dict):
+            return {k: walk(i) for k, i in v.items()}
+        if dataclasses.is_dataclass(v):
+            return (type(v).__name__, walk(dataclasses.astuple(v)))
+        return v
+    return walk(x), floats
+
+
+def _assert_same_outputs(got, want, device: str) -> None:
+    """Equal outputs. On CPU exactly. On CUDA every token, text and finish state exactly, the
+    logprobs to 1e-4: cuBLAS picks its kernel by the batch's shape, and the overlapped run preempts
+    at other steps than the sequential one (4 vs 5 preemptions), so a recomputed request shares
+    its steps with other batches. Measured on an H100: sequential runs are bitwise repeatable, and
+    the one difference (overlapped or not, CUDA graphs or eager) was 3e-6 in one request's logprobs."""
+    if device == "cpu":
+        assert got == want
+        return
+    (got_skeleton, got_floats), (want_skeleton, want_floats) = _split_floats(got), _split_floats(want)
+    assert got_skeleton == want_skeleton
+    assert got_floats == pytest.approx(want_floats, abs=1e-4)
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                         reason="needs CUDA")])
 
@@ -59,7 +93,7 @@ def test_overlapped_equals_sequential(tiny_llama, regime, device):
         results[overlap] = _summary(llm.generate(prompts, params, use_tqdm=False))
         llm.llm_engine.block_manager.check_no_leak()
         engines[overlap] = llm.llm_engine
-    assert results[True] == results[False]
+    _assert_same_outputs(results[True], results[False], device)
     assert engines[True].async_scheduling and not engines[False].async_scheduling
     if regime:
         assert engines[True].scheduler.num_preemptions > 0, "the small cache should have forced preemption"
