@@ -11,14 +11,16 @@
 #   bash loadtest/gpu_session.sh guided    # issue 9: schema-constrained vs plain, 32 and 256 requests
 #   bash loadtest/gpu_session.sh profile   # issue 9: GPU busy share of a steady decode step, overlap off/on
 #   bash loadtest/gpu_session.sh overhead  # issue 8: engine vs AsyncLLM vs the Serve app, stream intervals
-#                                          # (needs Ray, FastAPI on PYTHONPATH: shared/gpu/serve_on_device.md)
+#                                          # (needs Ray, FastAPI on PYTHONPATH: gpu_wheels.sh)
 #   bash loadtest/gpu_session.sh serving   # issue 8's shape: 256 requests 512 in / 256 out at concurrency 256,
 #                                          # served (three stream budgets) vs AsyncLLM vs offline
 #   bash loadtest/gpu_session.sh batch     # issue 13: the batch job vs LLM.generate, Qwen3-0.6B shape
 #   bash loadtest/gpu_session.sh engine-tests  # the CUDA engine tests alone (greedy vs HF, graphs, bf16)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
-# jsonschema: carry their wheels (docs/benchmarks.md, "GPU tests") and put them on
-# PYTHONPATH first, or the guided tests skip. Logs and JSON go to $OUT (or bench_out/gpu).
+# jsonschema: `bash loadtest/gpu_wheels.sh` here packs them into .whl/site.tar.xz; carry it and
+# start the device command with `mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site &&
+# export PYTHONPATH=/tmp/site:$PWD`, or the serve and batch stages fail and the guided tests skip.
+# Logs and JSON go to $OUT (or bench_out/gpu).
 set -uo pipefail
 stage=${1:-tests}
 out=${OUT:-bench_out/gpu}
