@@ -48,6 +48,27 @@ def test_bad_paths_are_refused(capsys):
     assert "warp" in capsys.readouterr().err
 
 
+def test_a_metrics_interval_under_100_ms_is_refused(capsys):
+    assert overhead.parse_args(["--metrics-interval-ms", "1000"]).metrics_interval_ms == 1000
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--metrics-interval-ms", "50"])
+    assert "--metrics-interval-ms=50" in capsys.readouterr().err
+
+
+def test_prompt_ids_come_from_the_tokenizer_not_the_padded_vocab(tmp_path):
+    """The shape presets pad vocab_size past their tokenizer with zero embeddings: a prompt of
+    those ids makes a random model emit special tokens, which stream no text."""
+    from engine.tools.tiny_model import make_tiny_model
+    from loadtest.workload import prompt_id_limit
+
+    padded = make_tiny_model(tmp_path / "padded", preset="tiny")  # vocab_size padded to a multiple of 64
+    vocab_size = json.loads((padded / "config.json").read_text())["vocab_size"]
+    tokenizer_size = len(json.loads((padded / "tokenizer.json").read_text())["model"]["vocab"])
+    assert prompt_id_limit(padded) == tokenizer_size < vocab_size
+    (padded / "tokenizer.json").unlink()  # no tokenizer to go by: the config's vocab
+    assert prompt_id_limit(padded) == vocab_size
+
+
 def test_offline_and_async_end_to_end(tiny_llama, tmp_path):
     out = tmp_path / "overhead.json"
     report = overhead.main(["--model", tiny_llama, "--paths", "offline,async", "--concurrency", "2",
