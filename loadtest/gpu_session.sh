@@ -14,6 +14,8 @@
 #                                          # (needs Ray, FastAPI on PYTHONPATH: gpu_wheels.sh)
 #   bash loadtest/gpu_session.sh serving   # issue 8's shape: 256 requests 512 in / 256 out at concurrency 256,
 #                                          # served (three stream budgets) vs AsyncLLM vs offline
+#   bash loadtest/gpu_session.sh serving-ingress2  # the same, served with two Ingress replicas: does
+#                                          # admission (TTFT at 256 streams) halve?
 #   bash loadtest/gpu_session.sh batch     # issue 13: the batch job vs LLM.generate, Qwen3-0.6B shape
 #   bash loadtest/gpu_session.sh engine-tests  # the CUDA engine tests alone (greedy vs HF, graphs, bf16)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
@@ -78,6 +80,12 @@ case "$stage" in
     python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 256 \
       --num-ttft-requests 4 --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async \
       --metrics-interval-ms 1000 --sweep max_stream_messages_per_s=2000,1000,4000 --out "$out/serving_gpu.json" 2>&1 | tee "$out/serving_gpu.log" ;;
+  serving-ingress2)
+    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 256 \
+      --num-ttft-requests 8 --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async \
+      --metrics-interval-ms 1000 --serve-arg ingress_replicas=2 --out "$out/serving_ingress2.json" \
+      2>&1 | tee "$out/serving_ingress2.log" ;;
   batch)
     [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
     python3 -m loadtest.batch_bench --device cuda --model /tmp/qwen3-0.6b --num-rows 2048 --max-tokens 128 \
@@ -85,6 +93,6 @@ case "$stage" in
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|batch|engine-tests)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests)"
      exit 2 ;;
 esac
