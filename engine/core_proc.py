@@ -108,11 +108,18 @@ class EngineCoreClient:
                 if not self._stopping:
                     self._on_dead(EngineDeadError(f"the engine process exited (exit code {self.proc.exitcode})"))
                 return
-            if kind == "out":
-                pairs, *rest = payload
-                self._on_outputs(self._prompts.restore(pairs), *rest)
-            elif kind == "dead":
-                self._on_dead(payload[0])
+            try:
+                if kind == "out":
+                    pairs, *rest = payload
+                    self._on_outputs(self._prompts.restore(pairs), *rest)
+                elif kind == "dead":
+                    self._on_dead(payload[0])
+            except Exception as e:  # noqa: BLE001 - a bug on this side: fail the waiters, never leave them hanging
+                logger.exception("the engine process's outputs could not be delivered")
+                self._stopping = True
+                self.proc.kill()  # nobody reads its outputs any more
+                self._on_dead(EngineDeadError(f"the engine's outputs could not be delivered: {e!r}"))
+                return
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (it shuts its engine and TP workers down); kill it if it does not exit."""

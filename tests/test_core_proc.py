@@ -102,6 +102,21 @@ def test_every_output_carries_its_prompt(proc_llm, kind):
     assert len(proc_llm._core._prompts) == 0
 
 
+def test_outputs_that_cannot_be_delivered_fail_every_waiter(proc_llm, monkeypatch):
+    """A bug in the parent's reader (here: restoring prompts raises) ends the engine, not the waits."""
+    async def main():
+        stream = proc_llm.generate("p", SamplingParams(max_tokens=400, **DELTA), "r")
+        await stream.__anext__()
+        monkeypatch.setattr(proc_llm._core._prompts, "restore", lambda pairs: 1 / 0)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="could not be delivered"):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 5
+    asyncio.run(asyncio.wait_for(main(), 30))
+    _wait_gone(proc_llm.engine_pid)
+
+
 def _out(request_id: str, finished: bool, prompt_ids: list[int]) -> RequestOutput:
     return RequestOutput(request_id, "p", list(prompt_ids), [CompletionOutput(0, "t", [1])], finished)
 
