@@ -30,6 +30,17 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+QWEN3=/tmp/qwen3-0.6b
+qwen3_model() {  # the Qwen3-0.6B-shape checkpoint, built once per machine
+  [ -d "$QWEN3" ] || python3 -m engine.tools.tiny_model --out "$QWEN3" --preset qwen3-0.6b
+}
+serving() {  # NAME EXTRA_ARGS...: issue 8's shape, served vs AsyncLLM vs offline
+  local name=$1; shift
+  qwen3_model
+  python3 -m loadtest.overhead --device cuda --model "$QWEN3" --concurrency 256 --num-requests 256 \
+    --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async \
+    --metrics-interval-ms 1000 "$@" --out "$out/$name.json" 2>&1 | tee "$out/$name.log"
+}
 case "$stage" in
   tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" \
@@ -59,36 +70,29 @@ case "$stage" in
     python3 -m loadtest.gpu_bench --workload A --peers ours,ours_sync --out "$out/gpu_bench_overlap.json" \
       2>&1 | tee "$out/gpu_bench_overlap.log" ;;
   guided)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
+    qwen3_model
     for n in 32 256; do
-      python3 -m loadtest.guided_bench --device cuda --model /tmp/qwen3-0.6b --num-requests $n \
+      python3 -m loadtest.guided_bench --device cuda --model "$QWEN3" --num-requests $n \
         --out "$out/guided_bench_$n.json" 2>&1 | tee "$out/guided_bench_$n.log"
     done ;;
   profile)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
-    python3 -m loadtest.step_profile --device cuda --model /tmp/qwen3-0.6b --num-seqs 256 --prompt-len 512 \
+    qwen3_model
+    python3 -m loadtest.step_profile --device cuda --model "$QWEN3" --num-seqs 256 --prompt-len 512 \
       --out "$out/step_profile.json" 2>&1 | tee "$out/step_profile.log" ;;
   overhead)
     # The Serve path runs first: its replica is a separate process, so the driver's engines
     # that follow find the GPU memory free again.
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
-    python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 512 \
+    qwen3_model
+    python3 -m loadtest.overhead --device cuda --model "$QWEN3" --concurrency 256 --num-requests 512 \
       --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async --stream-interval-ms 0,50,100 \
       --out "$out/overhead_gpu.json" 2>&1 | tee "$out/overhead_gpu.log" ;;
   serving)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
-    python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 256 \
-      --num-ttft-requests 4 --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async \
-      --metrics-interval-ms 1000 --sweep max_stream_messages_per_s=2000,1000,4000 --out "$out/serving_gpu.json" 2>&1 | tee "$out/serving_gpu.log" ;;
+    serving serving_gpu --num-ttft-requests 4 --sweep max_stream_messages_per_s=2000,1000,4000 ;;
   serving-ingress2)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
-    python3 -m loadtest.overhead --device cuda --model /tmp/qwen3-0.6b --concurrency 256 --num-requests 256 \
-      --num-ttft-requests 8 --input-len 512 --output-len 256 --max-model-len 1024 --paths serve,offline,async \
-      --metrics-interval-ms 1000 --serve-arg ingress_replicas=2 --out "$out/serving_ingress2.json" \
-      2>&1 | tee "$out/serving_ingress2.log" ;;
+    serving serving_ingress2 --num-ttft-requests 8 --serve-arg ingress_replicas=2 ;;
   batch)
-    [ -d /tmp/qwen3-0.6b ] || python3 -m engine.tools.tiny_model --out /tmp/qwen3-0.6b --preset qwen3-0.6b
-    python3 -m loadtest.batch_bench --device cuda --model /tmp/qwen3-0.6b --num-rows 2048 --max-tokens 128 \
+    qwen3_model
+    python3 -m loadtest.batch_bench --device cuda --model "$QWEN3" --num-rows 2048 --max-tokens 128 \
       --out "$out/batch_gpu.json" 2>&1 | tee "$out/batch_gpu.log" ;;
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
