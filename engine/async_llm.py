@@ -7,8 +7,8 @@
 
 Per step, the event loop is woken once for all requests, not once per request, and a
 reader that is behind gets its deltas merged (engine/output_collector.py). A caller may
-also ask for fewer, larger outputs (`stream_interval_s`): the first token and the end
-still come at once.
+also ask for fewer, larger outputs (`stream_interval_s`): the end, and everything up to
+the first output with text, still come at once.
 
 The step loop runs in a thread: torch releases the GIL in the forward, so the
 event loop stays responsive. Engine state is touched only by that thread; the
@@ -129,6 +129,9 @@ class AsyncLLM:
         before taking the next, so DELTA outputs carry several steps' tokens. Serving uses it
         to pay per chunk, not per token, on every hop downstream; 0 takes every step's output.
         A callable is asked before each wait (serving stretches the interval with its load).
+        Nothing is held until an output has carried text: a first token that is only part of
+        a character (byte-level BPE splits most CJK characters and emoji), or text held back
+        as a possible stop string, must not push the first visible text an interval later.
         """
         interval = stream_interval_s if callable(stream_interval_s) else (lambda: stream_interval_s)
         if (first := interval()) < 0:
@@ -153,13 +156,14 @@ class AsyncLLM:
             self._waiters.pop(request_id, None)
             self._raise_if_dead()
         self._submit(("add", state))
-        finished = False
+        finished = shown = False
         try:
             while not finished:
                 item = await collector.get()
                 finished = item.finished
+                shown = shown or any(c.text for c in item.outputs)
                 yield item
-                if not finished:
+                if shown and not finished:
                     wait_s = interval()
                     if wait_s > 0:
                         await collector.wait_final(wait_s)

@@ -7,7 +7,8 @@ whatever it carries. So an item carries every token made since the last one: the
 output collector merges the steps a busy reader missed, and each stream waits between items
 for `stream_interval_ms`, stretched under load so that the replica's streams together send
 about `max_stream_messages_per_s` items a second (StreamingConfig.interval_s; both live via
-user_config). The first item and the last are never held.
+user_config). The last item is never held, nor any before the first with text (so a first
+token that is half a character does not delay the first visible text).
 
 Cancellation: when the caller goes away, Serve cancels the task iterating `generate()`,
 which closes the engine's iterator, which aborts the request and frees its KV blocks at

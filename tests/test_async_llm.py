@@ -192,6 +192,38 @@ def test_stream_interval_sends_fewer_larger_outputs_and_loses_nothing(make_llm):
     assert elapsed < 0.2 * len(chunked) + 1.0
 
 
+def test_stream_interval_holds_nothing_before_the_first_text(make_llm):
+    """Outputs with tokens but no text yet (here: text held back as a possible stop string; in
+    real use a first token that is half a UTF-8 character) are not held, so the first visible
+    text comes when the engine makes it, not an interval later."""
+    llm = make_llm()
+    never = "\x00" * 8  # never generated: keeps the last 7 characters of text back until the end
+    params = lambda: SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[never],  # noqa: E731
+                                    output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        every = await _collect(llm, "Once upon", params(), "every")
+        chunked = [out async for out in llm.generate("Once upon", params(), "chunked", stream_interval_s=0.5)]
+        return every, chunked
+    every, chunked = asyncio.run(main())
+
+    def tokens_until_text(outs) -> int:
+        n = 0
+        for out in outs:
+            n += len(out.outputs[0].token_ids)
+            if out.outputs[0].text:
+                return n
+        raise AssertionError("no output carried text")
+    first_text_at = tokens_until_text(every)
+    assert 1 < first_text_at < 60  # the case under test: the first outputs carry tokens and no text
+    ids = lambda outs: sum((o.outputs[0].token_ids for o in outs), [])  # noqa: E731
+    assert ids(chunked) == ids(every)
+    # Unheld, the first text arrives with the token that made it (a step or two of slack for a
+    # reader that woke late); held 0.5 s after the first token, it would come dozens of tokens later.
+    assert tokens_until_text(chunked) <= first_text_at + 2
+    assert len(chunked) < len(every)  # after the first text, outputs are held again
+
+
 def test_negative_stream_interval_is_rejected(make_llm):
     llm = make_llm()
 
