@@ -14,7 +14,8 @@
    user_config; --stream-interval-ms A,B is --sweep stream_interval_ms=A,B), once per value
    (paths serve_KEY=V), reconfiguring the running app.
 
-Each of 2 and 3 also runs at concurrency 1 for TTFT. --rounds N runs the paths N times in
+Each of 2 and 3 also runs at concurrency 1 for TTFT, on both timed to the first output
+with text (what a client can show; the HTTP client cannot see tokens without text). --rounds N runs the paths N times in
 turn; a ratio is taken against the offline run of its own round (the 2-core box drifts by
 10-20% over minutes) and the medians over rounds are printed. Printed last: output tok/s per path
 and the ratios to offline, TTFT p50 at concurrency 1, CPU seconds per streamed token in

@@ -49,12 +49,13 @@ async def _async_one(llm, r: BenchRequest) -> tuple[float, float]:
                             output_kind=RequestOutputKind.DELTA)
     start, ttft, num_tokens = time.perf_counter(), None, 0
     async for out in llm.generate({"prompt_token_ids": r.prompt_token_ids}, params):
-        new = len(out.outputs[0].token_ids)
-        if new and ttft is None:
+        num_tokens += len(out.outputs[0].token_ids)
+        if out.outputs[0].text and ttft is None:  # the first text, as the HTTP client times it
             ttft = time.perf_counter() - start
-        num_tokens += new
     if num_tokens != r.max_tokens:
         raise RuntimeError(f"AsyncLLM streamed {num_tokens} tokens, expected {r.max_tokens}")
+    if ttft is None:
+        raise RuntimeError("AsyncLLM streamed no text")
     return ttft, time.perf_counter() - start
 
 
