@@ -53,7 +53,7 @@ class StreamingConfig(BaseModel):
 
     # Between two streamed items of one request, wait up to this long so that each carries
     # several steps' tokens: every item costs a Ray message and per-item work in the
-    # Ingress and the proxy. The first token and the end are never held back.
+    # Ingress and the proxy. The end, and everything up to the first text, is never held back.
     # 0: an item per engine step (per token when the replica keeps up). Measured: docs/benchmarks.md.
     stream_interval_ms: float = Field(STREAM_INTERVAL_MS, ge=0.0, le=MAX_STREAM_INTERVAL_MS)
     # Load-aware pacing: with S requests streaming on a replica, each waits at least
