@@ -15,9 +15,9 @@
    (paths serve_KEY=V), reconfiguring the running app.
 
 Each of 2 and 3 also runs at concurrency 1 for TTFT, on both timed to the first output
-with text (what a client can show; the HTTP client cannot see tokens without text). --rounds N runs the paths N times in
-turn; a ratio is taken against the offline run of its own round (the 2-core box drifts by
-10-20% over minutes) and the medians over rounds are printed. Printed last: output tok/s per path
+with text (what a client can show; the HTTP client cannot see tokens without text).
+--rounds N runs the paths N times in turn; a ratio is taken against the offline run of its
+own round (the 2-core box drifts by 10-20% over minutes) and the medians over rounds are printed. Printed last: output tok/s per path
 and the ratios to offline, TTFT p50 at concurrency 1, CPU seconds per streamed token in
 each process of the serving path (from /proc: proxy, Ingress, Guardrails, engine
 replica, its step thread, Ray's own daemons, the client) and streamed messages per

@@ -27,6 +27,11 @@ async def _collect(llm, prompt, params, request_id):
     return [out async for out in llm.generate(prompt, params, request_id)]
 
 
+def _token_ids(outs) -> list[int]:
+    """Every token id a stream of DELTA outputs carried, in order."""
+    return sum((o.outputs[0].token_ids for o in outs), [])
+
+
 async def _wait_idle(llm, timeout=5.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while llm.get_stats()["num_requests_running"] or llm.get_stats()["kv_cache_usage"]:
@@ -181,8 +186,7 @@ def test_stream_interval_sends_fewer_larger_outputs_and_loses_nothing(make_llm):
         elapsed = asyncio.get_running_loop().time() - start
         return every, chunked, elapsed
     every, chunked, elapsed = asyncio.run(main())
-    ids = lambda outs: sum((o.outputs[0].token_ids for o in outs), [])  # noqa: E731
-    assert ids(chunked) == ids(every) and len(ids(chunked)) == 32
+    assert _token_ids(chunked) == _token_ids(every) and len(_token_ids(chunked)) == 32
     assert "".join(o.outputs[0].text for o in chunked) == "".join(o.outputs[0].text for o in every)
     # The first output is not held back for an interval (which would gather ~all 32 tokens):
     # it carries the first token, or two if a step finished before the reader woke.
@@ -216,8 +220,7 @@ def test_stream_interval_holds_nothing_before_the_first_text(make_llm):
         raise AssertionError("no output carried text")
     first_text_at = tokens_until_text(every)
     assert 1 < first_text_at < 60  # the case under test: the first outputs carry tokens and no text
-    ids = lambda outs: sum((o.outputs[0].token_ids for o in outs), [])  # noqa: E731
-    assert ids(chunked) == ids(every)
+    assert _token_ids(chunked) == _token_ids(every)
     # Unheld, the first text arrives with the token that made it (a step or two of slack for a
     # reader that woke late); held 0.5 s after the first token, it would come dozens of tokens later.
     assert tokens_until_text(chunked) <= first_text_at + 2
