@@ -145,6 +145,14 @@ async def _scrape(client, url: str) -> dict[str, dict[str, float]]:
         return chunk_counters(await response.text())
 
 
+def split_engine_cpu(cpu: dict[str, float], stats0: dict, stats: dict) -> dict[str, float]:
+    """Per-role CPU seconds with the engine's step thread (from the replica's stats, before and
+    after) split out of the process it runs in."""
+    step_cpu = stats.get("step_thread_cpu_s", 0.0) - stats0.get("step_thread_cpu_s", 0.0)
+    engine = "engine_core" if "engine_core" in cpu else "engine_replica"  # the process the step loop runs in
+    return cpu | {"engine_step_thread": step_cpu, engine: max(cpu.get(engine, 0.0) - step_cpu, 0.0)}
+
+
 async def _serve_levels(url: str, requests, ttft_requests, concurrency: int, metrics_interval_s: float) -> dict:
     from loadtest.client import open_session
 
@@ -160,10 +168,7 @@ async def _serve_levels(url: str, requests, ttft_requests, concurrency: int, met
         cpu, stats = difference(cpu0, snapshot(os.getpid())), await _engine_stats()
         await asyncio.sleep(2.5 * metrics_interval_s)
         chunks = await _scrape(client, url)
-    step_cpu = stats.get("step_thread_cpu_s", 0.0) - stats0.get("step_thread_cpu_s", 0.0)
-    cpu["engine_step_thread"] = step_cpu
-    engine = "engine_core" if "engine_core" in cpu else "engine_replica"  # the process the step loop runs in
-    cpu[engine] = max(cpu.get(engine, 0.0) - step_cpu, 0.0)  # the rest of that process
+    cpu = split_engine_cpu(cpu, stats0, stats)
     num_tokens = sum(r.output_tokens for r in records)
     return _result(num_tokens, wall, sum(cpu.values()), ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3,
                    ttft_s=summarize([r.ttft for r in records]), e2e_s=summarize([r.e2e for r in records]),

@@ -107,6 +107,19 @@ def test_rounds_take_each_ratio_against_their_own_offline_run():
     assert paths["serve"]["ttft_c1_p50_ms"] == 56.0
     table = overhead.summary_table({"paths": paths})
     assert "0.85 0.90 0.80" in table and "messages/token client" in table
+    assert "ttft_c1_gap_to_async_ms" not in paths["serve"]  # no async path: no gap
+
+
+def test_the_ttft_gap_is_taken_round_by_round():
+    def path(tps, ttft):
+        return {"tokens_per_s": tps, "num_tokens": 100, "ttft_c1_p50_ms": ttft}
+    rounds = [{"offline": path(800.0, 0), "async": path(800.0, 60.0), "serve": path(700.0, 90.0)},
+              {"offline": path(600.0, 0), "async": path(600.0, 90.0), "serve": path(500.0, 100.0)},
+              {"offline": path(700.0, 0), "async": path(700.0, 70.0), "serve": path(600.0, 85.0)}]
+    paths = overhead.combine_rounds(rounds)
+    # Two medians (90 - 70) would say 20 ms; the rounds' own gaps say 30, 10 and 15.
+    assert paths["serve"]["ttft_c1_gap_to_async_ms"] == [30.0, 10.0, 15.0]
+    assert "per round: 30.0 10.0 15.0 ms (median 15.0)" in overhead.summary_table({"paths": paths})
 
 
 def test_sweep_and_rounds_arguments(capsys):
@@ -116,6 +129,72 @@ def test_sweep_and_rounds_arguments(capsys):
     for bad, message in ((["--sweep", "max_num_seqs=8"], "--sweep 'max_num_seqs': choose one of"),
                          (["--sweep", "stream_interval_ms="], "no values"),
                          (["--rounds", "0"], "--rounds=0 must be >= 1")):
+        with pytest.raises(SystemExit):
+            overhead.parse_args(bad)
+        assert message in capsys.readouterr().err
+
+
+
+def _stat(pid: int) -> tuple[str, int, float]:
+    """(state, parent pid, CPU ticks) of a process."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def test_frozen_stops_the_processes_and_continues_them_however_the_block_ends():
+    import subprocess
+    import sys
+    import time
+
+    from loadtest.overhead_paired import cluster_pids, frozen
+
+    # A child that spins, and its child that sleeps: both count as this process's cluster.
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                              "while True: pass"])
+    grandchildren = []
+    try:
+        deadline = time.monotonic() + 30
+        while not grandchildren and time.monotonic() < deadline:
+            time.sleep(0.05)
+            grandchildren = [p for p in cluster_pids(os.getpid()) if _stat(p)[1] == child.pid]
+        pids = cluster_pids(os.getpid())
+        assert child.pid in pids and grandchildren and os.getpid() not in pids
+        with pytest.raises(RuntimeError, match="the block fails"):
+            with frozen([child.pid, *grandchildren]):
+                time.sleep(0.2)  # let SIGSTOP land
+                state, _, cpu = _stat(child.pid)
+                time.sleep(0.5)
+                assert state == "T" == _stat(grandchildren[0])[0] and _stat(child.pid)[2] == cpu  # no CPU at all
+                raise RuntimeError("the block fails")
+        time.sleep(0.2)
+        state, _, cpu = _stat(child.pid)
+        time.sleep(0.5)
+        assert state != "T" != _stat(grandchildren[0])[0] and _stat(child.pid)[2] > cpu  # spinning again
+    finally:
+        for pid in (child.pid, *grandchildren):
+            os.kill(pid, 9)
+        child.wait()
+
+
+def test_paired_rounds_rotate_the_paths_on_one_app(tiny_llama, tmp_path):
+    """--paired: every path once a round, every token counted, each round its own ratios. The
+    served path runs after frozen ones, and the app shuts down: its processes were continued."""
+    out = tmp_path / "paired.json"
+    report = overhead.main(["--model", tiny_llama, "--paired", "2", "--concurrency", "2", "--num-requests", "4",
+                            "--num-ttft-requests", "1", "--input-len", "8", "--output-len", "4", "--out", str(out)])
+    assert len(report["rounds"]) == 2 and all(set(r) == {"offline", "async", "serve"} for r in report["rounds"])
+    paths = json.loads(out.read_text())["paths"]
+    for name in ("offline", "async", "serve"):
+        assert paths[name]["num_tokens"] == 16 and len(paths[name]["ratio_to_offline"]) == 2
+    assert paths["serve"]["cpu_ms_per_token_by_role"]["engine_step_thread"] > 0
+    assert paths["serve"]["ttft_c1_p50_ms"] > 0 and paths["async"]["ttft_c1_p50_ms"] > 0
+
+
+def test_paired_arguments(capsys):
+    assert overhead.parse_args(["--paired", "6"]).paired == 6
+    for bad, message in ((["--paired", "0"], "--paired=0 must be >= 1"),
+                         (["--paired", "2", "--sweep", "max_stream_messages_per_s=100,200"], "without --sweep")):
         with pytest.raises(SystemExit):
             overhead.parse_args(bad)
         assert message in capsys.readouterr().err
