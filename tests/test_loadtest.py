@@ -414,7 +414,7 @@ def test_guided_bench_runs_schema_and_plain_twins_of_equal_length(tiny_llama, tm
     assert result["ratio"] == result["round_ratios"][0] > 0
 
 
-@pytest.mark.parametrize("flag", ["--num-rows", "--input-words", "--max-tokens", "--batch-size"])
+@pytest.mark.parametrize("flag", ["--num-rows", "--input-words", "--max-tokens", "--batch-size", "--rounds"])
 def test_batch_bench_refuses_non_positive_sizes(flag, capsys):
     from loadtest.batch_bench import parse_args
 
@@ -422,3 +422,23 @@ def test_batch_bench_refuses_non_positive_sizes(flag, capsys):
         parse_args([flag, "0"])
     assert f"{flag}=0 must be >= 1" in capsys.readouterr().err
     assert parse_args(["--quick"]).num_rows == 64
+
+
+def test_batch_bench_takes_each_ratio_within_its_round():
+    from loadtest.batch_bench import combine_rounds, round_figures, summary_table
+    from serve_app.batch.job import JobSummary
+
+    def job(wall_s, check_s):
+        return JobSummary(num_rows=100, num_generated_tokens=6400, num_shards=4, check_s=check_s,
+                          first_shard_s=wall_s / 4, first_shard_rows=25, wall_s=wall_s)
+    # The second round's box is slower for both paths: its ratio is the same as the first's.
+    rounds = [round_figures(100, 60.0, 6400, job(80.0, 5.0), 100),
+              round_figures(100, 90.0, 6400, job(120.0, 7.5), 100),
+              round_figures(100, 60.0, 6400, job(100.0, 5.0), 99)]
+    assert [r["ratio"] for r in rounds] == [0.75, 0.75, 0.6]
+    assert rounds[0]["ratio_after_checks"] == 0.8
+    assert rounds[0]["ratio_after_first_shard"] == pytest.approx((75 / 60) / (100 / 60))
+    combined = combine_rounds(rounds)
+    assert combined["ratio"] == 0.75 and combined["ratio_after_checks"] == 0.8
+    table = summary_table(rounds, combined)
+    assert "0.75 0.75 0.60" in table and "batch job, after the first shard" in table
