@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from loadtest.overhead_paths import (SERVED_NAME, _async_one, _closed_loop, _http_level, _result, _warmup,
-                                     split_engine_cpu)
+from loadtest.overhead_paths import (SERVED_NAME, _async_one, _closed_loop, _engine_stats, _http_level, _result,
+                                     _warmup, split_engine_cpu)
 from loadtest.proc_cpu import difference, role_of, snapshot
 from loadtest.report import Stopwatch
 from loadtest.stats import summarize
@@ -90,13 +90,13 @@ async def _async(llm, requests, ttft_requests, concurrency: int) -> dict:
                    ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3)
 
 
-async def _serve(client, url: str, requests, ttft_requests, concurrency: int, engine_stats) -> dict:
+async def _serve(client, url: str, requests, ttft_requests, concurrency: int) -> dict:
     ttfts = [r.ttft for r in await _http_level(client, url, ttft_requests, 1)]
-    cpu0, stats0 = snapshot(os.getpid()), await engine_stats()
+    cpu0, stats0 = snapshot(os.getpid()), await _engine_stats()
     start = time.perf_counter()
     records = await _http_level(client, url, requests, concurrency)
     wall = time.perf_counter() - start
-    cpu = split_engine_cpu(difference(cpu0, snapshot(os.getpid())), stats0, await engine_stats())
+    cpu = split_engine_cpu(difference(cpu0, snapshot(os.getpid())), stats0, await _engine_stats())
     return _result(sum(r.output_tokens for r in records), wall, sum(cpu.values()),
                    ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3, cpu_s_by_role=cpu, messages_per_token={})
 
@@ -115,12 +115,14 @@ async def _rounds(kwargs, url, workload, concurrency: int, rounds: int, progress
     from engine import LLM, AsyncLLM, EngineConfig
     from loadtest.client import open_session
     from loadtest.ours import engine_generate, shutdown
-    from loadtest.overhead_paths import _engine_stats
 
     config = {k: v for k, v in kwargs.items() if v is not None}
-    llm, async_llm = LLM(**config), AsyncLLM(EngineConfig(**config))
     out = []
-    try:
+    with contextlib.ExitStack() as engines:  # both shut down however this ends, the first if the second fails
+        llm = LLM(**config)
+        engines.callback(shutdown, llm)
+        async_llm = AsyncLLM(EngineConfig(**config))
+        engines.callback(async_llm.shutdown)
         async with open_session(concurrency + 4, timeout_s=600.0) as client:
             requests, _ = workload(0)
             warm = _warmup(requests)
@@ -132,14 +134,11 @@ async def _rounds(kwargs, url, workload, concurrency: int, rounds: int, progress
                 results = {}
                 for path in ORDERS[k % len(ORDERS)]:
                     if path == "serve":
-                        results[path] = await _serve(client, url, requests, ttft_requests, concurrency, _engine_stats)
+                        results[path] = await _serve(client, url, requests, ttft_requests, concurrency)
                     else:
                         with frozen(cluster_pids(os.getpid())):
                             results[path] = _offline(llm, requests) if path == "offline" else \
                                 await _async(async_llm, requests, ttft_requests, concurrency)
                     progress(f"round {k + 1}: {path}: {results[path]['tokens_per_s']:.0f} tok/s")
                 out.append({p: results[p] for p in ("offline", "async", "serve")})
-    finally:
-        async_llm.shutdown()
-        shutdown(llm)
     return out
