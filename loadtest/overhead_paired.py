@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from loadtest.overhead_paths import (SERVED_NAME, _async_one, _closed_loop, _engine_stats, _http_level, _result,
-                                     _warmup, split_engine_cpu)
-from loadtest.proc_cpu import difference, role_of, snapshot
+                                     _warmup, async_level, split_engine_cpu)
+from loadtest.proc_cpu import cmdline, difference, parent_pid, role_of, snapshot
 from loadtest.report import Stopwatch
 from loadtest.stats import summarize
 
@@ -34,21 +34,11 @@ ORDERS = (("offline", "async", "serve"), ("serve", "offline", "async"), ("async"
 def cluster_pids(own_pid: int) -> list[int]:
     """The served app's processes: every descendant of this process (the local cluster it started)
     and every process with a serving role (HAProxy runs daemonized, outside that tree)."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
     children: dict[int, list[int]] = {}
-    roles = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(pid)
-        if role_of(cmdline):
-            roles.append(pid)
-    found, stack = set(roles), [own_pid]
+    for pid in pids:
+        children.setdefault(parent_pid(pid), []).append(pid)
+    found, stack = {pid for pid in pids if role_of(cmdline(pid))}, [own_pid]
     while stack:
         for child in children.get(stack.pop(), ()):
             found.add(child)
@@ -79,15 +69,6 @@ def _offline(llm, requests) -> dict:
     with Stopwatch() as watch:
         token_ids = engine_generate(llm, requests)
     return _result(sum(len(t) for t in token_ids), watch.wall_s, watch.cpu_s)
-
-
-async def _async(llm, requests, ttft_requests, concurrency: int) -> dict:
-    one = lambda r: _async_one(llm, r)  # noqa: E731
-    ttfts = [t for t, _ in await _closed_loop(one, ttft_requests, 1)]
-    with Stopwatch() as watch:
-        await _closed_loop(one, requests, concurrency)
-    return _result(sum(r.max_tokens for r in requests), watch.wall_s, watch.cpu_s,
-                   ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3)
 
 
 async def _serve(client, url: str, requests, ttft_requests, concurrency: int) -> dict:
@@ -138,7 +119,7 @@ async def _rounds(kwargs, url, workload, concurrency: int, rounds: int, progress
                     else:
                         with frozen(cluster_pids(os.getpid())):
                             results[path] = _offline(llm, requests) if path == "offline" else \
-                                await _async(async_llm, requests, ttft_requests, concurrency)
+                                await async_level(async_llm, requests, ttft_requests, concurrency)
                     progress(f"round {k + 1}: {path}: {results[path]['tokens_per_s']:.0f} tok/s")
                 out.append({p: results[p] for p in ("offline", "async", "serve")})
     return out

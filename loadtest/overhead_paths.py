@@ -76,16 +76,21 @@ async def run_async(kwargs: dict, requests: list[BenchRequest], ttft_requests: l
     from engine import AsyncLLM, EngineConfig
 
     llm = AsyncLLM(EngineConfig(**{k: v for k, v in kwargs.items() if v is not None}))
-    one = lambda r: _async_one(llm, r)  # noqa: E731
     try:
-        await _closed_loop(one, _warmup(requests), 1)
-        ttfts = [t for t, _ in await _closed_loop(one, ttft_requests, 1)]
-        step_cpu0 = llm.get_stats().get("step_thread_cpu_s", 0.0)
-        with Stopwatch() as watch:
-            timings = await _closed_loop(one, requests, concurrency)
-        step_cpu = llm.get_stats().get("step_thread_cpu_s", 0.0) - step_cpu0
+        await _closed_loop(lambda r: _async_one(llm, r), _warmup(requests), 1)
+        return await async_level(llm, requests, ttft_requests, concurrency)
     finally:
         llm.shutdown()
+
+
+async def async_level(llm, requests: list[BenchRequest], ttft_requests: list[BenchRequest], concurrency: int) -> dict:
+    """A warm AsyncLLM measured: TTFT at concurrency 1 over `ttft_requests`, then `requests` at `concurrency`."""
+    one = lambda r: _async_one(llm, r)  # noqa: E731
+    ttfts = [t for t, _ in await _closed_loop(one, ttft_requests, 1)]
+    step_cpu0 = llm.get_stats().get("step_thread_cpu_s", 0.0)
+    with Stopwatch() as watch:
+        timings = await _closed_loop(one, requests, concurrency)
+    step_cpu = llm.get_stats().get("step_thread_cpu_s", 0.0) - step_cpu0
     num_tokens = sum(r.max_tokens for r in requests)
     return _result(num_tokens, watch.wall_s, watch.cpu_s, ttft_c1_p50_ms=summarize(ttfts)["p50"] * 1e3,
                    ttft_s=summarize([t for t, _ in timings]), e2e_s=summarize([e for _, e in timings]),

@@ -44,14 +44,18 @@ def _cpu_seconds(pid: int) -> float | None:
 def _child_role(pid: int) -> str | None:
     """A process an engine replica spawned (AsyncLLM's engine process, a spawn-started python
     whose command line names nothing of ours) is the replica's "engine_core"."""
+    ppid = parent_pid(pid)
+    return "engine_core" if ppid is not None and role_of(cmdline(ppid)) == "engine_replica" else None
+
+
+def parent_pid(pid: int) -> int | None:
     try:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
-        return None
-    return "engine_core" if role_of(_cmdline(ppid)) == "engine_replica" else None
+        return None  # gone, or not Linux
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -65,7 +69,7 @@ def snapshot(client_pid: int | None = None) -> dict[str, float]:
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
-        role = "client" if pid == client_pid else role_of(_cmdline(pid)) or _child_role(pid)
+        role = "client" if pid == client_pid else role_of(cmdline(pid)) or _child_role(pid)
         cpu = _cpu_seconds(pid) if role else None
         if cpu is not None:
             totals[role] = totals.get(role, 0.0) + cpu

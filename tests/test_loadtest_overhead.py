@@ -134,7 +134,6 @@ def test_sweep_and_rounds_arguments(capsys):
         assert message in capsys.readouterr().err
 
 
-
 def _stat(pid: int) -> tuple[str, int, float]:
     """(state, parent pid, CPU ticks) of a process."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
