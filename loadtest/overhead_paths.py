@@ -140,9 +140,9 @@ async def _http_level(client, url: str, requests: list[BenchRequest], concurrenc
 
 
 async def _engine_stats() -> dict:
-    from serve_app.local import call_deployment
+    from serve_app.local import call_deployment, engine_deployment
 
-    return await asyncio.to_thread(call_deployment, "EngineDeployment", "get_stats")
+    return await asyncio.to_thread(lambda: call_deployment(engine_deployment(), "get_stats"))
 
 
 async def _scrape(client, url: str) -> dict[str, dict[str, float]]:

@@ -43,9 +43,10 @@ def _cpu_seconds(pid: int) -> float | None:
 
 def _child_role(pid: int) -> str | None:
     """A process an engine replica spawned (AsyncLLM's engine process, a spawn-started python
-    whose command line names nothing of ours) is the replica's "engine_core"."""
+    whose command line names nothing of ours) is the replica's "engine_core"; so is one that an
+    Ingress spawned (colocate_ingress: the Ingress runs the engine)."""
     ppid = parent_pid(pid)
-    return "engine_core" if ppid is not None and role_of(cmdline(ppid)) == "engine_replica" else None
+    return "engine_core" if ppid is not None and role_of(cmdline(ppid)) in ("engine_replica", "ingress") else None
 
 
 def parent_pid(pid: int) -> int | None:

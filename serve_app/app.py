@@ -3,6 +3,9 @@
     Ingress (FastAPI, @serve.batch) --+--------------------------------> EngineDeployment (autoscaled)
                                       +--> Guardrails (JSON requests) --^
 
+    colocate_ingress (serve_app/ingress.py): one deployment, each replica an Ingress that runs
+    its own engine (engine process + JSON guard in its process), autoscaled as the engine was.
+
     serve run deploy/config.yaml
     serve run serve_app.app:build_app model=models/tiny-llama device=cpu dtype=float32
 """
@@ -28,6 +31,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Validate `args` (a bad one raises ValueError naming it) and bind the three deployments."""
     a = resolve_app_args(args)
     device = resolve_device(a.device)
+    if a.colocate_ingress:
+        return Ingress.options(**colocated_options(a, device)).bind(None, None, a, device)
     engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)
     guardrails = Guardrails.options(
         num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,
@@ -48,6 +53,16 @@ def engine_options(a: AppArgs, device: str) -> dict[str, Any]:
         **engine_placement(device, a.tensor_parallel_size, a.engine_num_cpus),
         **router_options(a),
     }
+
+
+def colocated_options(a: AppArgs, device: str) -> dict[str, Any]:
+    """The engine replica's options for an Ingress that runs the engine: its placement, autoscaling,
+    health checks; the live knobs of both (user_config); ongoing requests enough for either."""
+    options = {k: v for k, v in engine_options(a, device).items() if k != "request_router_config"}
+    options["max_ongoing_requests"] = max(options["max_ongoing_requests"], a.ingress_max_ongoing_requests,
+                                          2 * a.max_batch_size)
+    options["user_config"] = {**a.batching().model_dump(), **a.streaming().model_dump()}
+    return options
 
 
 def router_options(a: AppArgs) -> dict[str, Any]:

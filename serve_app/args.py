@@ -148,6 +148,13 @@ class AppArgs(_DeclaredElsewhere):
     # GIL, which Ray's request machinery shares: in-process the step thread waited for it ~15% of
     # the time on the CPU box (docs/benchmarks.md). False: a thread of the replica, as before.
     engine_process: bool = True
+    # The Ingress in every engine replica's process, calling its engine directly, instead of
+    # its own deployment reaching the engine replicas over a gRPC stream per request
+    # (serve_app/ingress.py). The Ingress then scales with the engine (min/max_replicas) and
+    # runs the JSON guardrails itself. Measured: on the 2-core CPU box it served 0.85-0.88 of
+    # the engine's offline speed against 0.74-0.80 for the two deployments, in paired rounds;
+    # on a GPU host not yet (docs/benchmarks.md). `deploy/config.yaml` (the CPU demo) turns it on.
+    colocate_ingress: bool = False
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.routing);
     # "power_of_two": Serve's default, a choice per request.
     request_router: Literal["batch_affinity", "power_of_two"] = "batch_affinity"
@@ -174,6 +181,9 @@ class AppArgs(_DeclaredElsewhere):
                              f"[min_replicas={self.min_replicas}, max_replicas={self.max_replicas}]")
         if not _METRIC_NAME.match(self.metrics_prefix):
             raise ValueError(f"metrics_prefix={self.metrics_prefix!r} is not a valid Prometheus name prefix")
+        if self.colocate_ingress and self.ingress_replicas != 1:
+            raise ValueError(f"ingress_replicas={self.ingress_replicas} cannot be set with colocate_ingress: "
+                             "the Ingress runs in every engine replica (min_replicas/max_replicas)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
         try:

@@ -1,15 +1,21 @@
-"""Calling a downstream deployment's token stream: one streaming handle call per engine request.
+"""Where the Ingress and Guardrails get an engine request's token stream from.
 
-Every stream is cancelled in `finally`, so whoever stops reading (a disconnected client,
+    RemoteEngine   a deployment behind a handle (the engine replicas, or Guardrails in front of
+                   them): one streaming handle call per engine request (`stream_from`)
+    LocalEngine    an engine replica's object in this very process (`colocate_ingress`): its
+                   `generate()` iterated directly, no call, no hop
+
+A handle call is cancelled in `finally`, so whoever stops reading (a disconnected client,
 a cancelled task, an error in a sibling stream) stops the engine request too; Serve's own
-propagation of cancellation to child requests is the first line, this is the second.
+propagation of cancellation to child requests is the first line, this is the second. A local
+stream is the replica's own generator, which aborts the engine request when it is closed.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
@@ -18,6 +24,39 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.messages import EngineRequest, StreamError, StreamItem
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
+
+
+class RemoteEngine:
+    """Token streams, model info and health of a deployment, through its handle."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self.handle = handle
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
+        return stream_from(self.handle, request)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.handle.model_info.remote()
+
+    async def check_health(self) -> None:
+        await self.handle.check_health.remote()
+
+
+class LocalEngine:
+    """The same, from an engine replica object held in this process (`colocate_ingress`). Its
+    `generate()` maps engine failures to error items itself, and closing it aborts the request."""
+
+    def __init__(self, replica):
+        self.replica = replica
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
+        return self.replica.generate(request)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.replica.model_info()
+
+    async def check_health(self) -> None:
+        await self.replica.check_health()
 
 
 async def stream_from(handle: DeploymentHandle, request: EngineRequest) -> AsyncIterator[StreamItem]:

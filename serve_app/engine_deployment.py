@@ -107,7 +107,7 @@ class EngineDeployment:
 
     async def get_stats(self) -> dict[str, Any]:
         return {"replica": self._replica, "time": time.time(), "cpu_threads": self._cpu_threads,
-                **self.llm.get_stats()}
+                "streaming": self.streaming.model_dump(), **self.llm.get_stats()}
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising makes it replace the replica.
@@ -134,11 +134,19 @@ class EngineDeployment:
     def __del__(self):
         # Serve calls this after graceful_shutdown_timeout_s of draining; what is still in
         # flight gets finish_reason "abort", which the callers report as SHUTDOWN_MESSAGE.
+        self.shutdown()
+
+    def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None and not self._shutting_down:
             self._shutting_down = True
             logger.info("engine replica %s shutting down", self._replica)
             llm.shutdown()
+
+
+# The replica's class itself, undecorated: what an Ingress with `colocate_ingress` holds in its
+# own process instead of a handle to an EngineDeployment (serve_app/ingress.py).
+EngineReplica = EngineDeployment.func_or_class
 
 
 def _replica_tag() -> str:

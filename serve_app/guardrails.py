@@ -3,6 +3,9 @@
     Ingress --EngineRequest--> Guardrails.generate --> JsonGuard.run --attempt 0, 1, ...--> EngineDeployment
             <--StreamItems (validated; the last one may be a 422 error)--
 
+With `colocate_ingress` the engine runs in the Ingress's process, which no deployment can hold
+a handle to; there the Ingress runs JsonGuard itself, in front of its own engine (GuardedEngine).
+
 The engine's grammar-constrained decoding makes valid JSON the normal case; the guard makes
 it a guarantee: every finished completion is parsed and validated against the request's whole
 schema and the server's policy (serve_app.guardrail_policy), failing completions are generated
@@ -20,7 +23,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.client import stream_from
+from serve_app.client import LocalEngine, RemoteEngine
 from serve_app.guardrail_policy import GuardrailPolicy
 from serve_app.guardrail_session import GuardedRequest
 from serve_app.messages import EngineRequest, StreamItem
@@ -38,16 +41,16 @@ class JsonGuard:
     def __init__(self, policy: GuardrailPolicy):
         self.policy = policy
 
-    async def run(self, request: EngineRequest, engine: DeploymentHandle) -> AsyncIterator[StreamItem]:
+    async def run(self, request: EngineRequest, engine: RemoteEngine | LocalEngine) -> AsyncIterator[StreamItem]:
         if request.sampling_params.structured_outputs is None:  # no JSON contract: nothing to check
-            async with contextlib.aclosing(stream_from(engine, request)) as items:
+            async with contextlib.aclosing(engine.stream(request)) as items:
                 async for item in items:
                     yield item
             return
         guarded = GuardedRequest(request, self.policy)
         while (attempt := guarded.next_attempt()) is not None:
             # aclosing: leaving early (a rejection, or the caller gone) cancels the engine request.
-            async with contextlib.aclosing(stream_from(engine, attempt)) as items:
+            async with contextlib.aclosing(engine.stream(attempt)) as items:
                 async for item in items:
                     if guarded.finishes_large(item, _INLINE_CHECK_CHARS):  # parse + validate off the loop
                         out = await asyncio.to_thread(guarded.feed, item)
@@ -59,10 +62,21 @@ class JsonGuard:
                         return
 
 
+class GuardedEngine:
+    """JSON requests through a JsonGuard in this process, in front of `engine` (colocate_ingress)."""
+
+    def __init__(self, guard: JsonGuard, engine: LocalEngine):
+        self.guard = guard
+        self.engine = engine
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
+        return self.guard.run(request, self.engine)
+
+
 @serve.deployment(name="Guardrails")
 class Guardrails:
     def __init__(self, engine: DeploymentHandle, policy: dict[str, Any] | None = None):
-        self.engine = engine
+        self.engine = RemoteEngine(engine)
         self.guard = JsonGuard(GuardrailPolicy.from_args(policy))  # the `guardrails` app arg
 
     @property

@@ -11,6 +11,15 @@ disconnect cancels exactly that task's stream (and through it the engine request
 whether or not the request went through a batch, and a slow reader never holds up
 the others. A request cancelled while waiting in the batch queue is dropped from the
 batch by Serve before it reaches the engine at all.
+
+Where the engine is (`colocate_ingress`): by default the Ingress reaches the engine replicas
+through a handle, one gRPC stream per engine request, and scales apart from them. With
+`colocate_ingress` every engine replica is an Ingress replica too: this class holds the
+engine replica's object in its own process and iterates its streams directly, and JSON
+requests go through a JsonGuard here instead of the Guardrails deployment. On the 2-core CPU
+box that removes a process and a hop per stream from the engine's cores (docs/benchmarks.md);
+on a GPU host the separate shape keeps the HTTP work and the engine's front in two processes
+(two GILs).
 """
 
 import asyncio
@@ -30,8 +39,8 @@ from ray.serve.handle import DeploymentHandle
 from engine.detokenizer import decode_token
 from engine.model_path import resolve_model_path
 from engine.sampling_params import SamplingParams
-from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
-from serve_app.client import merge_streams, stream_from
+from serve_app.args import AppArgs, BatchingConfig, StreamingConfig, describe_validation_error
+from serve_app.client import LocalEngine, RemoteEngine, merge_streams
 from serve_app.errors import (OpenAIError, from_validation_error, from_value_error, model_not_found,
                               overloaded)
 from serve_app.http_util import check_api_key, error_response, install_error_handlers, read_body
@@ -62,6 +71,18 @@ def _load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_path(model))
+
+
+def _colocated_engine(args: AppArgs, device: str | None):
+    """The engine replica's object, in this process, and the two ways in: plain and JSON-guarded."""
+    # Imported here: the separate Ingress never loads the engine (torch).
+    from serve_app.engine_deployment import EngineReplica
+    from serve_app.guardrail_policy import GuardrailPolicy
+    from serve_app.guardrails import GuardedEngine, JsonGuard
+
+    replica = EngineReplica(args, device)
+    engine = LocalEngine(replica)
+    return replica, engine, GuardedEngine(JsonGuard(GuardrailPolicy.from_args(args.guardrails)), engine)
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
@@ -109,10 +130,17 @@ class _SSEResponse(StreamingResponse):
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, guardrails: DeploymentHandle, args: AppArgs):
+    def __init__(self, engine: DeploymentHandle | None, guardrails: DeploymentHandle | None, args: AppArgs,
+                 device: str | None = None):
+        """engine and guardrails: the deployments' handles; both None with `colocate_ingress`, where
+        this replica runs the engine (on `device`) itself."""
         self.args = args
-        self.engine = engine
-        self.guardrails = guardrails
+        self.engine_replica = None  # the engine in this process (colocate_ingress)
+        if engine is None:
+            self.engine_replica, self.engine, self.json_engine = _colocated_engine(args, device)
+        else:
+            self.engine = RemoteEngine(engine)
+            self.json_engine = RemoteEngine(guardrails)
         self.tokenizer = _load_tokenizer(args.tokenizer or args.model)
         self.metrics = IngressMetrics(args.metrics_prefix, args.model_name)
         # GET /metrics: every replica's series (and Serve's own), as Ray exports them (cluster_metrics.py)
@@ -124,11 +152,17 @@ class Ingress:
         self._num_pending = 0
 
     def reconfigure(self, config: dict[str, Any]) -> None:
-        """user_config: micro-batching knobs and admission limit, changed without a restart."""
+        """user_config: micro-batching knobs and admission limit, changed without a restart; with
+        `colocate_ingress` also the engine replica's streaming knobs (StreamingConfig)."""
+        config = dict(config or {})
+        streaming = {k: config.pop(k) for k in StreamingConfig.model_fields if k in config} \
+            if self.engine_replica is not None else {}
         try:
-            cfg = BatchingConfig.model_validate(config or {})
+            cfg = BatchingConfig.model_validate(config)
         except ValidationError as e:
             raise ValueError("invalid Ingress user_config: " + describe_validation_error(e)) from None
+        if self.engine_replica is not None:
+            self.engine_replica.reconfigure(streaming)  # a bad value raises, naming it
         self._prepare_batch.set_max_batch_size(cfg.max_batch_size)
         self._prepare_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
         self.batching = cfg
@@ -181,7 +215,7 @@ class Ingress:
     @app.get("/health")
     async def health(self) -> Response:
         try:
-            await asyncio.wait_for(self.engine.check_health.remote(), timeout=5.0)
+            await asyncio.wait_for(self.engine.check_health(), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - any failure to answer is "not healthy"
             return error_response(overloaded(f"The engine is not healthy: {type(e).__name__}",
                                              self.args.retry_after_s))
@@ -249,7 +283,7 @@ class Ingress:
     async def _model_limits(self) -> ModelLimits:
         if self._limits is None:
             try:
-                info = await self.engine.model_info.remote()
+                info = await self.engine.model_info()
             except Exception as e:  # noqa: BLE001 - no engine to ask: a 503, not a 500
                 raise overloaded(f"The engine is unavailable: {type(e).__name__}", self.args.retry_after_s) from e
             self._limits = ModelLimits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"])
@@ -262,11 +296,11 @@ class Ingress:
 
     async def _generate(self, request_id: str, prepared: Prepared, params: SamplingParams, builder: ResponseBuilder,
                         stream: bool, json_mode: bool) -> Response:
-        handle = self.guardrails if json_mode else self.engine
+        engine = self.json_engine if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
                                   prepared.batch_id, stream=stream)
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
-        items = merge_streams([stream_from(handle, r) for r in requests])
+        items = merge_streams([engine.stream(r) for r in requests])
         gen = Generation(items, builder, self.metrics.request(json_mode), self.args.retry_after_s)
         try:
             await gen.first()
@@ -280,3 +314,29 @@ class Ingress:
 
     def _release_pending(self) -> None:
         self._num_pending -= 1
+
+    # -- the engine in this replica (colocate_ingress) ----------------------------------------
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s: with the engine here, its health is ours."""
+        if self.engine_replica is not None:
+            await self.engine_replica.check_health()
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self._local_engine().get_stats()
+
+    async def fault_injection_for_testing(self, op: str) -> dict[str, Any]:
+        return await self._local_engine().fault_injection_for_testing(op)
+
+    def _local_engine(self):
+        if self.engine_replica is None:
+            raise ValueError("the engine is not in this replica (colocate_ingress is off): "
+                             "call the EngineDeployment")
+        return self.engine_replica
+
+    def __del__(self):
+        # Serve's ASGI wrapper calls this after ending the app's lifespan, once the replica has
+        # drained (graceful_shutdown_timeout_s).
+        replica = getattr(self, "engine_replica", None)
+        if replica is not None:
+            replica.shutdown()
+

@@ -141,6 +141,14 @@ def call_deployment(deployment: str, method: str, *args: Any) -> Any:
     return getattr(handle, method).remote(*args).result()
 
 
+def engine_deployment() -> str:
+    """The deployment whose replicas run the engine: the EngineDeployment, or with colocate_ingress the Ingress."""
+    from ray import serve
+
+    return "EngineDeployment" if "EngineDeployment" in serve.status().applications[APP_NAME].deployments \
+        else "Ingress"
+
+
 def reconfigure_ingress(user_config: dict[str, Any]) -> None:
     """Apply an Ingress user_config on the running replica (what Serve does on a user_config change)."""
     call_deployment("Ingress", "reconfigure", user_config)

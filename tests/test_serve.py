@@ -290,8 +290,9 @@ def test_disconnected_non_streaming_request_runs_out_and_frees_the_engine(base_u
 
 
 def test_engine_replica_computes_on_every_core(base_url):
-    from serve_app.local import call_deployment
+    from serve_app.local import call_deployment, engine_deployment
 
+    assert engine_deployment() == "EngineDeployment"
     stats = call_deployment("EngineDeployment", "get_stats")
     assert stats["cpu_threads"] == len(os.sched_getaffinity(0))  # not Ray's OMP_NUM_THREADS=1
 

@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import build_app, engine_options, ingress_options
+from serve_app.app import build_app, colocated_options, engine_options, ingress_options
 from serve_app.args import parse_app_args
 from serve_app.guardrail_policy import GuardrailPolicy
 from serve_app.placement import engine_placement
@@ -63,6 +63,19 @@ def test_deployment_options():
     assert ing["user_config"]["max_batch_size"] == 600
 
 
+def test_colocated_ingress_takes_the_engines_options_and_both_live_configs():
+    a = parse_app_args({"model": "m", "colocate_ingress": True, "max_replicas": 3, "max_num_seqs": 600,
+                        "max_batch_size": 4, "stream_interval_ms": 5})
+    opts = colocated_options(a, "cpu")
+    assert opts["autoscaling_config"] == engine_options(a, "cpu")["autoscaling_config"]  # scales as the engine did
+    assert opts["placement_group_bundles"] == [{"CPU": 1.0}]  # and holds its resources
+    assert opts["max_ongoing_requests"] >= 1200 and "request_router_config" not in opts  # no engine handle to route
+    assert opts["user_config"] == {**a.batching().model_dump(), **a.streaming().model_dump()}
+    assert opts["user_config"]["stream_interval_ms"] == 5.0 and opts["user_config"]["max_batch_size"] == 4
+    with pytest.raises(ValueError, match="ingress_replicas=2 cannot be set with colocate_ingress"):
+        parse_app_args({"model": "m", "colocate_ingress": True, "ingress_replicas": 2})
+
+
 def test_autoscaling_target_follows_max_num_seqs_unless_set():
     derived = engine_options(parse_app_args({"model": "m", "max_num_seqs": 24, "max_replicas": 2}), "cpu")
     assert derived["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 24.0}
@@ -79,6 +92,8 @@ def test_build_app_binds_the_graph(tiny_llama):
     app = build_app({"model": tiny_llama, "device": "cpu"})
     assert type(app).__name__ == "Application"
     assert type(build_app({"model": "m", "device": "cpu", "check_model_at_build": False})).__name__ == "Application"
+    one = build_app({"model": tiny_llama, "device": "cpu", "colocate_ingress": True})
+    assert one._bound_deployment.name == "Ingress" and one._bound_deployment.init_args[:2] == (None, None)
 
 
 def test_missing_model_fails_at_build_naming_it(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
+from serve_app.client import RemoteEngine
 from serve_app.guardrail_policy import GuardrailPolicy
 from serve_app.guardrail_session import attempt_seed
 from serve_app.guardrails import JsonGuard
@@ -108,7 +109,7 @@ class _FakeEngine:
 
 def _run_guard(policy: GuardrailPolicy, engine: _FakeEngine, request: EngineRequest) -> list[StreamItem]:
     async def run():
-        return [item async for item in JsonGuard(policy).run(request, engine)]
+        return [item async for item in JsonGuard(policy).run(request, RemoteEngine(engine))]
     return asyncio.run(run())
 
 

@@ -163,3 +163,18 @@ def test_stream_read_to_the_end_releases_its_slot_once(start_ingress):
     assert not engine.streams[0].cancelled  # it finished on its own
     assert ingress._num_pending == 0  # not -1: released exactly once
     assert (_count(ingress, 200), _count(ingress, 499)) == (1, 0)
+
+
+def test_a_separate_ingress_refuses_the_engines_streaming_knobs(start_ingress):
+    """Its user_config holds its own knobs only: the engine replicas have their own (with
+    colocate_ingress it takes both: tests/test_serve_colocated.py)."""
+    async def run():
+        ingress = await start_ingress(FakeEngine())
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            ingress.reconfigure({"max_batch_size": 4, "stream_interval_ms": 5})
+        with pytest.raises(ValueError, match="colocate_ingress"):
+            await ingress.get_stats()
+        ingress.reconfigure({"max_batch_size": 4})
+        return ingress
+
+    assert asyncio.run(run()).batching.max_batch_size == 4
