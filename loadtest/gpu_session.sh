@@ -16,6 +16,8 @@
 #                                          # served (three stream budgets) vs AsyncLLM vs offline
 #   bash loadtest/gpu_session.sh serving-ingress2  # the same, served with two Ingress replicas: does
 #                                          # admission (TTFT at 256 streams) halve?
+#   bash loadtest/gpu_session.sh serving-colocated  # the same, the Ingress running its engine
+#                                          # (colocate_ingress): one GIL for both, or faster?
 #   bash loadtest/gpu_session.sh batch     # issue 13: the batch job vs LLM.generate, Qwen3-0.6B shape
 #   bash loadtest/gpu_session.sh engine-tests  # the CUDA engine tests alone (greedy vs HF, graphs, bf16)
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
@@ -90,6 +92,8 @@ case "$stage" in
     serving serving_gpu --num-ttft-requests 4 --sweep max_stream_messages_per_s=2000,1000,4000 ;;
   serving-ingress2)
     serving serving_ingress2 --num-ttft-requests 8 --serve-arg ingress_replicas=2 ;;
+  serving-colocated)
+    serving serving_colocated --num-ttft-requests 8 --serve-arg colocate_ingress=true ;;
   batch)
     qwen3_model
     python3 -m loadtest.batch_bench --device cuda --model "$QWEN3" --num-rows 2048 --max-tokens 128 \

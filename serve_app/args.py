@@ -151,9 +151,9 @@ class AppArgs(_DeclaredElsewhere):
     # The Ingress in every engine replica's process, calling its engine directly, instead of
     # its own deployment reaching the engine replicas over a gRPC stream per request
     # (serve_app/ingress.py). The Ingress then scales with the engine (min/max_replicas) and
-    # runs the JSON guardrails itself. Measured: on the 2-core CPU box it served 0.85-0.88 of
-    # the engine's offline speed against 0.74-0.80 for the two deployments, in paired rounds;
-    # on a GPU host not yet (docs/benchmarks.md). `deploy/config.yaml` (the CPU demo) turns it on.
+    # runs the JSON guardrails itself. On the 2-core CPU box it served 0.86 of the engine's
+    # offline speed (median of 24 paired rounds) against 0.80 for the three deployments (16);
+    # not measured on a GPU yet (docs/benchmarks.md). Off by default: see README.
     colocate_ingress: bool = False
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.routing);
     # "power_of_two": Serve's default, a choice per request.

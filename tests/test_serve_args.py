@@ -96,6 +96,24 @@ def test_build_app_binds_the_graph(tiny_llama):
     assert one._bound_deployment.name == "Ingress" and one._bound_deployment.init_args[:2] == (None, None)
 
 
+def _bound_names(app) -> set[str]:
+    """The deployments an Application binds, its own and those of the handles it is given."""
+    dep = app._bound_deployment
+    return {dep.name}.union(*(_bound_names(a) for a in dep.init_args if type(a) is type(app)))
+
+
+def test_a_colocated_config_names_the_one_deployment_it_binds(tiny_llama):
+    """README: with colocate_ingress a Serve config keeps only its `Ingress` entry."""
+    assert _bound_names(build_app({"model": tiny_llama, "device": "cpu"})) == {"Ingress", "Guardrails",
+                                                                             "EngineDeployment"}
+    config = yaml.safe_load(CONFIG.read_text())
+    (app,) = config["applications"]
+    app["args"] |= {"model": tiny_llama, "colocate_ingress": True}
+    app["deployments"] = [d for d in app["deployments"] if d["name"] == "Ingress"]
+    (parsed,) = ServeDeploySchema.model_validate(config).applications
+    assert {d.name for d in parsed.deployments} == _bound_names(build_app(app["args"])) == {"Ingress"}
+
+
 def test_missing_model_fails_at_build_naming_it(tmp_path):
     with pytest.raises(ValueError, match="model="):
         build_app({"model": str(tmp_path / "nope"), "device": "cpu"})
