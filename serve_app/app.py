@@ -40,6 +40,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return Ingress.options(**ingress_options(a)).bind(engine, guardrails, a)
 
 
+def deployment_names(a: AppArgs) -> set[str]:
+    """The deployments build_app binds for these args: what a Serve config may configure."""
+    if a.colocate_ingress:
+        return {Ingress.name}
+    return {Ingress.name, Guardrails.name, EngineDeployment.name}
+
+
 def engine_options(a: AppArgs, device: str) -> dict[str, Any]:
     return {
         "autoscaling_config": a.autoscaling_config(),

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import EngineDeployment, Guardrails, Ingress
+from serve_app.app import deployment_names
 from serve_app.args import parse_app_args
 from serve_app.placement import engine_placement
 
@@ -28,8 +28,6 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 RAYJOB = ROOT / "deploy" / "rayjob.yaml"
 _FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CRDS = {"RayService": _FIXTURES / "ray.io_rayservices.yaml", "RayJob": _FIXTURES / "ray.io_rayjobs.yaml"}
-# The deployments build_app binds: a config entry under another name would not configure them.
-DEPLOYMENT_NAMES = {d.name for d in (Ingress, Guardrails, EngineDeployment)}
 
 
 # -- YAML: duplicate keys are an error (PyYAML would keep the last one silently) --------------
@@ -182,9 +180,16 @@ def _deployments(app: dict) -> dict[str, dict]:
 def agreement_errors(rayservice_app: dict, local_app: dict) -> list[str]:
     errors = [f"{key}: {rayservice_app.get(key)!r} here, {local_app.get(key)!r} in deploy/config.yaml"
               for key in ("name", "import_path", "route_prefix") if rayservice_app.get(key) != local_app.get(key)]
+    # The deployments build_app binds for each app's args: an entry under another name would not
+    # configure them (the CPU demo runs colocate_ingress, one deployment; the RayService three).
     for which, app in (("rayservice", rayservice_app), ("config.yaml", local_app)):
-        if set(_deployments(app)) != DEPLOYMENT_NAMES:
-            errors.append(f"{which} deployments {sorted(_deployments(app))} != build_app's {sorted(DEPLOYMENT_NAMES)}")
+        try:
+            bound = deployment_names(parse_app_args(app.get("args")))
+        except ValueError as e:
+            errors.append(f"{which} args: {e}")
+            continue
+        if set(_deployments(app)) != bound:
+            errors.append(f"{which} deployments {sorted(_deployments(app))} != build_app's {sorted(bound)}")
     return errors
 
 

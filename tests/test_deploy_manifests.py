@@ -176,6 +176,16 @@ def test_agreement_catches_a_renamed_deployment(manifest):
     assert any("import_path" in e for e in agreement_errors({**bad, "import_path": "x:y"}, local))
 
 
+def test_agreement_holds_each_config_to_the_deployments_its_args_bind(manifest):
+    """The CPU demo is one deployment (colocate_ingress), the RayService three: each must list its own."""
+    rayservice, local = _app(serve_config(manifest)), _app(load_yaml(SERVE_CONFIG.read_text()))
+    three = {**local, "args": {**local["args"], "colocate_ingress": False}}
+    assert any("config.yaml deployments ['Ingress'] != build_app's ['EngineDeployment', 'Guardrails', 'Ingress']" in e
+               for e in agreement_errors(rayservice, three))
+    one = {**rayservice, "args": {**rayservice["args"], "colocate_ingress": True}}
+    assert any(e.startswith("rayservice deployments") for e in agreement_errors(one, local))
+
+
 @pytest.mark.parametrize("change,expected", [
     (_set(_WORKER_LIMITS + ".nvidia.com/gpu", 1), r"1 GPUs .* takes 2"),
     (_set(_WORKER + ".maxReplicas", 8), r"pods 1\.\.8 != engine replicas 1\.\.4"),

@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import build_app, colocated_options, engine_options, ingress_options
+from serve_app.app import build_app, colocated_options, deployment_names, engine_options, ingress_options
 from serve_app.args import parse_app_args
 from serve_app.guardrail_policy import GuardrailPolicy
 from serve_app.placement import engine_placement
@@ -102,16 +102,12 @@ def _bound_names(app) -> set[str]:
     return {dep.name}.union(*(_bound_names(a) for a in dep.init_args if type(a) is type(app)))
 
 
-def test_a_colocated_config_names_the_one_deployment_it_binds(tiny_llama):
-    """README: with colocate_ingress a Serve config keeps only its `Ingress` entry."""
-    assert _bound_names(build_app({"model": tiny_llama, "device": "cpu"})) == {"Ingress", "Guardrails",
-                                                                             "EngineDeployment"}
-    config = yaml.safe_load(CONFIG.read_text())
-    (app,) = config["applications"]
-    app["args"] |= {"model": tiny_llama, "colocate_ingress": True}
-    app["deployments"] = [d for d in app["deployments"] if d["name"] == "Ingress"]
-    (parsed,) = ServeDeploySchema.model_validate(config).applications
-    assert {d.name for d in parsed.deployments} == _bound_names(build_app(app["args"])) == {"Ingress"}
+def test_deployment_names_are_what_build_app_binds(tiny_llama):
+    """What a Serve config may name (tests/deploy_checks.py holds deploy/ to it): one deployment
+    with colocate_ingress, three without."""
+    for colocate, names in ((False, {"Ingress", "Guardrails", "EngineDeployment"}), (True, {"Ingress"})):
+        args = {"model": tiny_llama, "device": "cpu", "colocate_ingress": colocate}
+        assert _bound_names(build_app(args)) == deployment_names(parse_app_args(args)) == names
 
 
 def test_missing_model_fails_at_build_naming_it(tmp_path):
@@ -130,9 +126,16 @@ def test_deploy_config_is_a_valid_serve_config():
     assert app.args["model"] == f"models/{MODEL_NAME}" and app.args["served_model_name"] == MODEL_NAME
     parse_app_args(app.args)  # the args themselves are valid
     assert GuardrailPolicy.from_args(app.args["guardrails"]) == GuardrailPolicy()  # the defaults, spelled out
-    ingress = next(d for d in app.deployments if d.name == "Ingress")
-    from serve_app.args import BatchingConfig
-    BatchingConfig.model_validate(ingress.user_config)
+    # The CPU demo: the Ingress runs the engine, so its entry is the only one, and its user_config
+    # holds both the batching and the streaming knobs (what Ingress.reconfigure splits).
+    assert app.args["colocate_ingress"] is True
+    assert {d.name for d in app.deployments} == deployment_names(parse_app_args(app.args)) == {"Ingress"}
+    (ingress,) = app.deployments
+    from serve_app.args import BatchingConfig, StreamingConfig
+    streaming = {k: v for k, v in ingress.user_config.items() if k in StreamingConfig.model_fields}
+    BatchingConfig.model_validate({k: v for k, v in ingress.user_config.items() if k not in streaming})
+    assert StreamingConfig.model_validate(streaming) == parse_app_args(app.args).streaming()  # args and live agree
+    assert ingress.health_check_period_s == 10 and ingress.graceful_shutdown_timeout_s == 20  # the engine's
 
 
 def test_cpu_threads_split_over_tp_ranks(monkeypatch):
