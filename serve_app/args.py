@@ -151,8 +151,8 @@ class AppArgs(_DeclaredElsewhere):
     # The Ingress in every engine replica's process, calling its engine directly, instead of
     # its own deployment reaching the engine replicas over a gRPC stream per request
     # (serve_app/ingress.py). The Ingress then scales with the engine (min/max_replicas) and
-    # runs the JSON guardrails itself. On the 2-core CPU box it served 0.86 of the engine's
-    # offline speed (median of 24 paired rounds) against 0.80 for the three deployments (16);
+    # runs the JSON guardrails itself. On the 2-core CPU box it served 0.87 of the engine's
+    # offline speed (median of 32 paired rounds) against 0.80 for the three deployments (24);
     # not measured on a GPU yet (docs/benchmarks.md). Off by default: see README.
     colocate_ingress: bool = False
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.routing);
