@@ -1,7 +1,7 @@
 """Batch job throughput: `python -m serve_app.batch`'s pipeline against `engine.LLM.generate`.
 
     python -m loadtest.batch_bench [--num-rows 1024] [--input-words 32] [--max-tokens 64] [--quick]
-                                   [--device cpu|cuda] [--model DIR] [--rounds 3]
+                                   [--device cpu|cuda] [--model DIR] [--rounds 3] [--engine-actor]
 
 The same prompts (random words, greedy, a fixed max_tokens) two ways, on the ~22M bench model
 (or --model):
@@ -9,6 +9,10 @@ The same prompts (random words, greedy, a fixed max_tokens) two ways, on the ~22
     batch   run_job: JSONL in -> checks -> Ray Data preprocess -> one engine actor -> shards out,
             end to end (reading, the up-front row checks, actor start and model load included;
             ray.init excluded), in a local Ray cluster started by this process
+    actor   (--engine-actor) the job's engine stage alone: one EngineStage actor in a local Ray
+            cluster, no Ray Data, fed the rows in batches of --batch-size, as many at once as the
+            job's processor sends (its start-up and a warm-up batch excluded, as the peer's model
+            load is): what running the engine in a Ray actor costs, apart from Ray Data and start-up
 Figures: rows/s and generated tokens/s; the ratio batch / peer (the issue's target: >= 0.85 with
 one actor). --rounds N runs the pair N times, the first of each pair alternating, and prints the
 medians of the rounds' ratios (the CPU box's speed drifts by tens of percent over minutes: a
@@ -17,12 +21,17 @@ they must be equal). On CUDA the batch job runs first, so that its actor's proce
 to itself and gives it back before the peer loads; there the count of equal rows is reported,
 not required: bf16 matrix products differ with the batch's size, and the two paths batch the
 rows differently.
+
+The batch job's CPU is also split by process (engine actor, Ray Data's workers, Ray's daemons,
+the driver), read from /proc while it runs: on a small node what the other processes spend is
+taken from the engine.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -53,18 +62,90 @@ def run_peer(model: str, prompts: list[str], max_tokens: int, device: str) -> tu
 
 
 def run_batch(model: str, src: str, out: str, max_tokens: int, batch_size: int, device: str):
+    """The job end to end; also its CPU seconds by role (job_cpu)."""
     import ray
 
+    from loadtest.proc_cpu import ProcessSampler
     from serve_app.batch import BatchConfig, run_job, shards
     from serve_app.batch.cluster import init_ray
     init_ray("local")  # as the CLI starts its cluster
     try:
         config = BatchConfig(model=model, device=device, max_tokens=max_tokens, batch_size=batch_size)
-        summary = run_job(config, src, out, progress=False)
+        with ProcessSampler() as sampler:
+            summary = run_job(config, src, out, progress=False)
     finally:
         ray.shutdown()
     rows = {r["id"]: r["text"] for r in shards.read_rows(out)}
-    return summary, [rows[i] for i in range(len(rows))]
+    return summary, [rows[i] for i in range(len(rows))], job_cpu(sampler.used, os.getpid())
+
+
+def run_actor(model: str, prompts: list[str], max_tokens: int, batch_size: int, device: str
+              ) -> tuple[float, list[str], int]:
+    """The engine stage alone (see the module docstring): wall seconds, texts in prompt order,
+    generated tokens."""
+    import ray
+
+    from serve_app.batch import BatchConfig
+    from serve_app.batch.cluster import init_ray
+    from serve_app.batch.processor import Processor
+    init_ray("local")
+    processor = None
+    try:
+        config = BatchConfig(model=model, device=device, max_tokens=max_tokens, batch_size=batch_size)
+        processor = Processor(config)  # the job's engine actor: the same resources and engine config
+        processor.start_engines()
+        return feed_engine(processor.engines[0], prompts, batch_size, config.concurrent_batches())
+    finally:
+        if processor is not None:
+            processor.shutdown()
+        ray.shutdown()
+
+
+def feed_engine(engine, prompts: list[str], batch_size: int, in_flight: int) -> tuple[float, list[str], int]:
+    """Send `prompts` to an EngineStage actor in batches of batch_size, in_flight at a time (the
+    next one when one returns), after a warm-up batch as the peer's: wall seconds (warm-up
+    excluded), texts in prompt order, generated tokens."""
+    import pyarrow as pa
+    import ray
+
+    def table(first: int) -> pa.Table:
+        ids = range(first, min(first + batch_size, len(prompts)))
+        return pa.table({"id": list(ids), "prompt": [prompts[i] for i in ids]})
+    ray.get(engine.generate_batch.remote(table(0).slice(0, 8)))
+    start = time.perf_counter()
+    pending, outputs = [], []
+    for first in range(0, len(prompts), batch_size):
+        if len(pending) == in_flight:
+            done, pending = ray.wait(pending, num_returns=1)
+            outputs += ray.get(done)
+        pending.append(engine.generate_batch.remote(table(first)))
+    outputs += ray.get(pending)
+    wall = time.perf_counter() - start
+    rows = {row["id"]: row for out in outputs for row in out.to_pylist()}
+    return wall, [rows[i]["text"] for i in range(len(prompts))], sum(r["num_generated_tokens"] for r in rows.values())
+
+
+# Who spent the batch job's CPU, from each process's command line (first match wins). Ray names
+# a worker by what it runs: one that ran Ray Data tasks and waits for more is "ray::IDLE".
+JOB_ROLES = (
+    ("engine actor", ("EngineStage",)),
+    ("retry counter actor", ("RetryCounter",)),
+    ("Ray daemons", ("raylet", "gcs_server", "DashboardAgent", "RuntimeEnvAgent", "log_monitor.py",
+                     "dashboard.py", "monitor.py")),
+    ("Ray Data workers", ("ray::",)),
+)
+
+
+def job_cpu(used: dict[int, tuple[float, str]], driver_pid: int) -> dict[str, float]:
+    """CPU seconds by role over the job (ProcessSampler.used); processes not Ray's are left out.
+    "driver" is this process: Ray Data's executor and the job's checks run there."""
+    totals = {"driver": 0.0, **{role: 0.0 for role, _ in JOB_ROLES}}
+    for pid, (cpu, cmdline) in used.items():
+        role = "driver" if pid == driver_pid else next(
+            (role for role, needles in JOB_ROLES if any(n in cmdline for n in needles)), None)
+        if role is not None:
+            totals[role] += max(cpu, 0.0)
+    return totals
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +159,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the pair this many times, alternating which goes first; medians of the rounds' ratios")
+    p.add_argument("--engine-actor", action="store_true",
+                   help="also run the engine stage alone in a Ray actor, without Ray Data (a third path)")
     p.add_argument("--quick", action="store_true", help="64 rows, 16 tokens: a smoke run")
     p.add_argument("--out", default="bench_out/batch_bench.json")
     args = p.parse_args(argv)
@@ -119,20 +202,25 @@ def run(args: argparse.Namespace, work: Path) -> int:
         progress(f"batch job: {result[0]}")
         return result
 
+    def actor():
+        progress(f"engine actor alone: {len(prompts)} prompts in batches of {args.batch_size}")
+        return run_actor(model, prompts, args.max_tokens, args.batch_size, args.device)
+
+    paths = {"peer": peer, "batch": batch, "actor": actor}
     rounds = []
     for k in range(args.rounds):
-        # Alternate which path goes first: the box's speed drifts over minutes, and a pair's
-        # ratio compares two runs next to each other. On CUDA the batch job always runs first,
-        # so that its actor's process has the GPU to itself and gives it back before the peer loads.
-        if args.device == "cuda" or k % 2 == 1:
-            summary, batch_texts = batch(k)
-            peer_wall, peer_texts, peer_tokens = peer()
-        else:
-            peer_wall, peer_texts, peer_tokens = peer()
-            summary, batch_texts = batch(k)
+        results = {name: (paths[name](k) if name == "batch" else paths[name]())
+                   for name in round_order(k, args.device, args.engine_actor)}
+        peer_wall, peer_texts, peer_tokens = results["peer"]
+        summary, batch_texts, cpu = results["batch"]
         same = sum(a == b for a, b in zip(peer_texts, batch_texts))
-        rounds.append(round_figures(len(prompts), peer_wall, peer_tokens, summary, same))
-        progress(f"round {k + 1}: batch / peer {rounds[-1]['ratio']:.3f}, equal rows {same}/{len(prompts)}")
+        actor_figures = None
+        if "actor" in results:
+            actor_wall, actor_texts, actor_tokens = results["actor"]
+            actor_figures = (actor_wall, actor_tokens, sum(a == b for a, b in zip(peer_texts, actor_texts)))
+        rounds.append(round_figures(len(prompts), peer_wall, peer_tokens, summary, same, actor=actor_figures, cpu=cpu))
+        progress(f"round {k + 1}: batch / peer {rounds[-1]['ratio']:.3f}, equal rows {same}/{len(prompts)}"
+                 + (f"; engine actor / peer {rounds[-1]['ratio_actor']:.3f}" if actor_figures else ""))
     combined = combine_rounds(rounds)
     payload = base_metadata(sys.argv) | {
         "workload": {"num_rows": args.num_rows, "input_words": args.input_words, "max_tokens": args.max_tokens,
@@ -140,14 +228,30 @@ def run(args: argparse.Namespace, work: Path) -> int:
         "rounds": rounds, **combined}
     write_json(args.out, payload)
     print(summary_table(rounds, combined))
-    equal = min(r["rows_equal"] for r in rounds)
+    print(cpu_table(rounds))
+    equal = min(min(r["rows_equal"], r.get("actor", {}).get("rows_equal", len(prompts))) for r in rounds)
     print(f"outputs equal row for row: {equal}/{len(prompts)} (the fewest of any round); full numbers in {args.out}")
     return 0 if equal == len(prompts) or args.device == "cuda" else 1
 
 
-def round_figures(num_prompts: int, peer_wall: float, peer_tokens: int, summary, rows_equal: int) -> dict:
-    """One round's two runs: rows/s and generated tokens/s of each, and the batch job's ratios to the
-    peer end to end, after its input checks, and from its first shard on (start-up excluded)."""
+def round_order(k: int, device: str, engine_actor: bool) -> list[str]:
+    """The paths of round k, in the order they run. The box's speed drifts over minutes, and a
+    round's ratios compare runs next to each other: the order rotates from round to round. On
+    CUDA the batch job runs first, so that its actor's process has the GPU to itself and gives
+    it back before the others load their engines."""
+    names = ["peer", "actor", "batch"] if engine_actor else ["peer", "batch"]
+    if device == "cuda":
+        return names[::-1]
+    shift = k % len(names)
+    return names[shift:] + names[:shift]
+
+
+def round_figures(num_prompts: int, peer_wall: float, peer_tokens: int, summary, rows_equal: int,
+                  actor: tuple[float, int, int] | None = None, cpu: dict[str, float] | None = None) -> dict:
+    """One round's runs: rows/s and generated tokens/s of each, and the batch job's ratios to the
+    peer end to end, after its input checks, and from its first shard on (start-up excluded);
+    `actor` (wall, generated tokens, rows equal to the peer's) adds the engine actor's ratio;
+    `cpu` is the batch job's CPU seconds by role."""
     batch_wall = summary.wall_s
     out = {"peer": {"wall_s": peer_wall, "generated_tokens": peer_tokens, "rows_s": num_prompts / peer_wall,
                     "tokens_s": peer_tokens / peer_wall},
@@ -161,10 +265,17 @@ def round_figures(num_prompts: int, peer_wall: float, peer_tokens: int, summary,
     if summary.num_shards > 1 and steady_s > 0:
         steady_rows = summary.num_rows - summary.first_shard_rows
         out["ratio_after_first_shard"] = steady_rows / steady_s / (num_prompts / peer_wall)
+    if actor is not None:
+        actor_wall, actor_tokens, actor_equal = actor
+        out["actor"] = {"wall_s": actor_wall, "generated_tokens": actor_tokens, "rows_s": num_prompts / actor_wall,
+                        "tokens_s": actor_tokens / actor_wall, "rows_equal": actor_equal}
+        out["ratio_actor"] = peer_wall / actor_wall
+    if cpu is not None:
+        out["batch"]["cpu_s"] = cpu
     return out
 
 
-RATIOS = ("ratio", "ratio_after_checks", "ratio_after_first_shard")
+RATIOS = ("ratio", "ratio_after_checks", "ratio_after_first_shard", "ratio_actor")
 
 
 def combine_rounds(rounds: list[dict]) -> dict:
@@ -174,7 +285,8 @@ def combine_rounds(rounds: list[dict]) -> dict:
 
 def summary_table(rounds: list[dict], combined: dict) -> str:
     labels = {"ratio": "batch job, 1 actor, end to end", "ratio_after_checks": "batch job, after the input checks",
-              "ratio_after_first_shard": "batch job, after the first shard"}
+              "ratio_after_first_shard": "batch job, after the first shard",
+              "ratio_actor": "engine actor alone (no Ray Data, start-up excluded)"}
     rows = [["LLM.generate (peer)", statistics.median(r["peer"]["rows_s"] for r in rounds),
              statistics.median(r["peer"]["tokens_s"] for r in rounds), 1.0, "-"]]
     rows += [[labels[key], "-" if key != "ratio" else statistics.median(r["batch"]["rows_s"] for r in rounds),
@@ -182,6 +294,21 @@ def summary_table(rounds: list[dict], combined: dict) -> str:
               value, " ".join(f"{r[key]:.2f}" for r in rounds) if len(rounds) > 1 else "-"]
              for key, value in combined.items()]
     return format_table(["path", "rows/s", "gen tok/s", "/ peer (median)", "per round"], rows)
+
+
+def cpu_table(rounds: list[dict]) -> str:
+    """The batch job's CPU seconds by role (median over rounds), and as cores over its wall time."""
+    rounds = [r for r in rounds if "cpu_s" in r["batch"]]
+    if not rounds:
+        return ""
+    wall = statistics.median(r["batch"]["wall_s"] for r in rounds)
+    rows = []
+    for role in rounds[0]["batch"]["cpu_s"]:
+        seconds = statistics.median(r["batch"]["cpu_s"][role] for r in rounds)
+        rows.append([role, seconds, seconds / wall])
+    total = sum(row[1] for row in rows)
+    rows.append(["all of the above", total, total / wall])
+    return format_table(["batch job CPU by process (median)", "CPU s", "cores"], rows)
 
 
 if __name__ == "__main__":

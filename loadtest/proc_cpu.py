@@ -7,6 +7,7 @@ CPU seconds each hop of the serving path spent on it.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 # (label, substring of the command line), first match wins; order matters (replicas before the rest).
@@ -80,3 +81,53 @@ def snapshot(client_pid: int | None = None) -> dict[str, float]:
 def difference(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds spent between two snapshots, per role (a role that vanished counts 0)."""
     return {role: max(after[role] - before.get(role, 0.0), 0.0) for role in after}
+
+
+def per_process() -> dict[int, float]:
+    """CPU seconds used so far by every process on the box, by pid."""
+    out = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            cpu = _cpu_seconds(int(entry.name))
+            if cpu is not None:
+                out[int(entry.name)] = cpu
+    return out
+
+
+class ProcessSampler:
+    """CPU seconds per process over a `with` block, processes that start or end inside it
+    included: /proc is read every `interval` s on a thread, so one that ends inside the block
+    loses at most its last interval. `used` maps pid -> (CPU seconds in the block, the last
+    command line seen: Ray renames a worker by what it runs)."""
+
+    def __init__(self, interval: float = 2.0):
+        self.interval = interval
+        self.used: dict[int, tuple[float, str]] = {}
+        self._before: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="process-sampler")
+
+    def __enter__(self) -> "ProcessSampler":
+        self._before = per_process()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.used = {pid: (cpu - self._before.get(pid, 0.0), self._names.get(pid, ""))
+                     for pid, cpu in self._last.items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        for pid, cpu in per_process().items():
+            self._last[pid] = cpu
+            if pid not in self._names or self._names[pid].startswith("ray::"):
+                self._names[pid] = cmdline(pid)

@@ -73,6 +73,11 @@ class Processor:
         engine = ray.remote(EngineStage).options(max_restarts=-1, max_task_retries=-1, **self._actor_resources())
         self._engines = [engine.remote(self.config, self._retry_counter) for _ in range(self.config.num_replicas)]
 
+    @property
+    def engines(self) -> list:
+        """The engine actors' handles (EngineStage; empty before start_engines)."""
+        return list(self._engines)
+
     def shutdown(self) -> None:
         """Stop the engine actors (what `stages` built cannot run after this)."""
         for engine in self._engines:
