@@ -128,6 +128,6 @@ class ProcessSampler:
 
     def _sample(self) -> None:
         for pid, cpu in per_process().items():
-            self._last[pid] = cpu
-            if pid not in self._names or self._names[pid].startswith("ray::"):
+            if cpu != self._last.get(pid):  # it ran: read its name again (a fork exec'd, a Ray worker renamed)
                 self._names[pid] = cmdline(pid)
+            self._last[pid] = cpu

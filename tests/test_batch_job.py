@@ -44,6 +44,21 @@ def _by_id(out_dir):
 PROMPTS = [f"the story of item {i} is" + " long" * (i % 5) for i in range(10)]
 
 
+def test_the_benchmarks_engine_actor_path_generates_what_llm_generate_does(ray_cluster, tiny_llama):
+    from loadtest.batch_bench import feed_engine
+
+    processor = processor_module.Processor(BatchConfig(model=tiny_llama, device="cpu", max_tokens=8, batch_size=3))
+    processor.start_engines()
+    try:
+        wall, texts, tokens = feed_engine(processor.engines[0], PROMPTS, batch_size=3, in_flight=2)
+    finally:
+        processor.shutdown()
+    expected = LLM(tiny_llama, device="cpu").generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0),
+                                                      use_tqdm=False)
+    assert texts == [ref.outputs[0].text for ref in expected]  # in prompt order, whatever order batches end
+    assert tokens == 8 * len(PROMPTS) and wall > 0
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_outputs_equal_llm_generate_row_for_row(ray_cluster, tiny_llama, tmp_path, fmt, no_early_stops):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])

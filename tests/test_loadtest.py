@@ -442,3 +442,50 @@ def test_batch_bench_takes_each_ratio_within_its_round():
     assert combined["ratio"] == 0.75 and combined["ratio_after_checks"] == 0.8
     table = summary_table(rounds, combined)
     assert "0.75 0.75 0.60" in table and "batch job, after the first shard" in table
+
+
+def test_batch_bench_rotates_three_paths_and_runs_the_batch_job_first_on_cuda():
+    from loadtest.batch_bench import round_order
+
+    assert [round_order(k, "cpu", True) for k in range(4)] == [
+        ["peer", "actor", "batch"], ["actor", "batch", "peer"], ["batch", "peer", "actor"], ["peer", "actor", "batch"]]
+    assert [round_order(k, "cpu", False) for k in range(2)] == [["peer", "batch"], ["batch", "peer"]]
+    assert round_order(1, "cuda", True) == ["batch", "actor", "peer"]
+    assert round_order(0, "cuda", False) == ["batch", "peer"]
+
+
+def test_batch_bench_engine_actor_ratio_and_the_jobs_cpu_by_role():
+    from loadtest.batch_bench import combine_rounds, cpu_table, job_cpu, round_figures, summary_table
+    from serve_app.batch.job import JobSummary
+
+    used = {10: (50.0, "ray::EngineStage.generate_batch"), 11: (1.0, "ray::RetryCounter"),
+            12: (2.0, "/x/ray/core/src/ray/raylet/raylet --raylet_socket_name=..."), 13: (1.0, "ray::DashboardAgent"),
+            14: (3.0, "ray::IDLE"), 15: (2.5, "ray::_StatsActor"), 16: (4.0, "python -m loadtest.batch_bench"),
+            17: (9.0, "/usr/bin/some-other-program")}
+    cpu = job_cpu(used, driver_pid=16)
+    assert cpu == {"driver": 4.0, "engine actor": 50.0, "retry counter actor": 1.0, "Ray daemons": 3.0,
+                   "Ray Data workers": 5.5}  # the box's other programs are not the job's
+    job = JobSummary(num_rows=100, num_generated_tokens=6400, num_shards=1, wall_s=80.0)
+    rounds = [round_figures(100, 60.0, 6400, job, 100, actor=(64.0, 6400, 100), cpu=cpu),
+              round_figures(100, 60.0, 6400, job, 100, actor=(75.0, 6400, 99), cpu=cpu)]
+    assert rounds[0]["ratio_actor"] == 0.9375 and rounds[1]["actor"]["rows_equal"] == 99
+    combined = combine_rounds(rounds)
+    assert combined["ratio_actor"] == pytest.approx((0.9375 + 0.8) / 2) and combined["ratio"] == 0.75
+    assert "engine actor alone" in summary_table(rounds, combined)
+    table = cpu_table(rounds)
+    assert "Ray Data workers" in table and "63.5" in table  # all of the above: 63.5 CPU s over 80 s
+    assert cpu_table([round_figures(100, 60.0, 6400, job, 100)]) == ""
+
+
+def test_process_sampler_counts_a_process_that_starts_and_ends_inside_the_block():
+    import subprocess
+    import sys
+
+    from loadtest.proc_cpu import ProcessSampler
+
+    busy = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass  # sampler-probe"
+    with ProcessSampler(interval=0.05) as sampler:
+        subprocess.run([sys.executable, "-c", busy], check=True)
+    probes = [(cpu, cmd) for cpu, cmd in sampler.used.values() if "sampler-probe" in cmd]
+    assert len(probes) == 1
+    assert 0.4 <= probes[0][0] <= 1.5  # its CPU, less at most the last interval before it ended
