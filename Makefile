@@ -42,8 +42,9 @@ serve: setup $(DEMO_GGUF)
 	$(SERVE_ENV) $(BIN)/serve run deploy/config.yaml
 
 # -X faulthandler: a crash, even at exit after pytest's summary, prints every thread's stack.
+# --durations: the slowest tests, to keep the suite under its 25 minutes on 2 cores.
 test: setup
-	$(BIN)/python -X faulthandler -m pytest -q
+	$(BIN)/python -X faulthandler -m pytest -q --durations=25
 
 bench: setup
 	$(BIN)/python -m loadtest.offline
