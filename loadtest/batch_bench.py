@@ -206,11 +206,10 @@ def run(args: argparse.Namespace, work: Path) -> int:
         progress(f"engine actor alone: {len(prompts)} prompts in batches of {args.batch_size}")
         return run_actor(model, prompts, args.max_tokens, args.batch_size, args.device)
 
-    paths = {"peer": peer, "batch": batch, "actor": actor}
     rounds = []
     for k in range(args.rounds):
-        results = {name: (paths[name](k) if name == "batch" else paths[name]())
-                   for name in round_order(k, args.device, args.engine_actor)}
+        paths = {"peer": peer, "actor": actor, "batch": lambda: batch(k)}
+        results = {name: paths[name]() for name in round_order(k, args.device, args.engine_actor)}
         peer_wall, peer_texts, peer_tokens = results["peer"]
         summary, batch_texts, cpu = results["batch"]
         same = sum(a == b for a, b in zip(peer_texts, batch_texts))

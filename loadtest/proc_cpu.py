@@ -67,10 +67,7 @@ def cmdline(pid: int) -> str:
 def snapshot(client_pid: int | None = None) -> dict[str, float]:
     """CPU seconds used so far, summed per role; `client_pid` (the load generator) as "client"."""
     totals: dict[str, float] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
+    for pid in _pids():
         role = "client" if pid == client_pid else role_of(cmdline(pid)) or _child_role(pid)
         cpu = _cpu_seconds(pid) if role else None
         if cpu is not None:
@@ -86,12 +83,18 @@ def difference(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 def per_process() -> dict[int, float]:
     """CPU seconds used so far by every process on the box, by pid."""
     out = {}
+    for pid in _pids():
+        cpu = _cpu_seconds(pid)
+        if cpu is not None:
+            out[pid] = cpu
+    return out
+
+
+def _pids():
+    """The pids of the box's processes (none where there is no /proc)."""
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if entry.name.isdigit():
-            cpu = _cpu_seconds(int(entry.name))
-            if cpu is not None:
-                out[int(entry.name)] = cpu
-    return out
+            yield int(entry.name)
 
 
 class ProcessSampler:
@@ -110,8 +113,8 @@ class ProcessSampler:
         self._thread = threading.Thread(target=self._run, daemon=True, name="process-sampler")
 
     def __enter__(self) -> "ProcessSampler":
-        self._before = per_process()
         self._sample()
+        self._before = dict(self._last)
         self._thread.start()
         return self
 
