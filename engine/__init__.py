@@ -15,12 +15,12 @@ __all__ = [
 def __getattr__(name: str):
     # Lazy: `import engine` (e.g. for SamplingParams in the HTTP layer) must not load torch models.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.entrypoints.llm import LLM
         return LLM
     if name == "AsyncLLM":
-        from engine.async_llm import AsyncLLM
+        from engine.entrypoints.async_llm import AsyncLLM
         return AsyncLLM
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)

@@ -7,7 +7,7 @@
       EngineDeadError         the engine cannot serve anything any more (loop died, shut down)
         WorkerDiedError       ... because a tensor-parallel worker process exited
 
-Callers branch on the type, never on the message: serve_app/errors.py maps each to an HTTP
+Callers branch on the type, never on the message: serve_app/http/errors.py maps each to an HTTP
 status in one table. `InvalidRequestError` stays a ValueError, so `except ValueError` still
 catches every refusal of user input. `param` uses the engine's field names (`temperature`,
 `prompt`, `structured_outputs`); the OpenAI tier translates them to its own.

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 
-MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (serve_app/protocol.py checks against it too)
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (serve_app/http/protocol.py checks against it too)
 
 
 class RequestOutputKind(enum.Enum):

@@ -48,7 +48,7 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/test_kernels_attention.py tests/test_kernels_attention_split.py tests/test_kernels_store_kv.py \
       tests/test_kernels_validation.py tests/test_models.py tests/test_llm.py tests/test_llm_engine.py \
-      tests/test_sampler.py tests/test_guided.py \
+      tests/test_sampler.py tests/test_structured_output.py \
       -k "cuda or triton or gpu or guided or kernels or models" \
       2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)

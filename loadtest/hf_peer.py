@@ -37,10 +37,10 @@ class PeerResult:
 def load_hf_model(path: str, dtype: torch.dtype, device: str, **kwargs):
     """`from_pretrained` in the given dtype on either side of the transformers 5 rename
     (torch_dtype -> dtype; 4.x would silently store an unknown `dtype` kwarg in the config).
-    A GGUF's HF view (engine.gguf_config) is read by transformers' own GGUF code."""
+    A GGUF's HF view (engine.loader.gguf_config) is read by transformers' own GGUF code."""
     from transformers import AutoModelForCausalLM
 
-    from engine.gguf_config import gguf_source
+    from engine.loader.gguf_config import gguf_source
 
     gguf_file = gguf_source(Path(path))
     if gguf_file is not None:

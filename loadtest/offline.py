@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model:
-        from engine.model_path import resolve_model_path
+        from engine.loader.model_path import resolve_model_path
 
         model_path = resolve_model_path(args.model)  # a GGUF: its HF view, which both sides load
     else:

@@ -3,7 +3,7 @@
     Ingress (FastAPI, @serve.batch) --+--------------------------------> EngineDeployment (autoscaled)
                                       +--> Guardrails (JSON requests) --^
 
-    colocate_ingress (serve_app/ingress.py): one deployment, each replica an Ingress that runs
+    colocate_ingress (serve_app/http/ingress.py): one deployment, each replica an Ingress that runs
     its own engine (engine process + JSON guard in its process), autoscaled as the engine was.
 
     serve run deploy/config.yaml
@@ -17,14 +17,14 @@ from typing import Any
 from ray import serve
 
 from serve_app.args import AppArgs, resolve_app_args
-from serve_app.engine_deployment import EngineDeployment
-from serve_app.guardrails import Guardrails
-from serve_app.ingress import Ingress
-from serve_app.placement import engine_placement, resolve_device
+from serve_app.replica.engine_deployment import EngineDeployment
+from serve_app.guard.guardrails import Guardrails
+from serve_app.http.ingress import Ingress
+from serve_app.replica.placement import engine_placement, resolve_device
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
-BATCH_AFFINITY_ROUTER = "serve_app.routing.BatchAffinityRouter"
+BATCH_AFFINITY_ROUTER = "serve_app.replica.routing.BatchAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from engine.config import DEVICES, EngineConfig, ModelConfig
-from serve_app.guardrail_policy import GuardrailPolicy
+from serve_app.guard.policy import GuardrailPolicy
 
 STREAM_INTERVAL_MS = 20.0
 MAX_STREAM_INTERVAL_MS = 1000.0
@@ -112,7 +112,7 @@ class AppArgs(_DeclaredElsewhere):
     model: str = Field(min_length=1)
     # Checked here, not by the engine, which parse_app_args runs on "cpu": the node that builds
     # the app may lack the engine nodes' device. 'auto' is resolved from the Ray cluster's
-    # resources at build_app (serve_app.placement.resolve_device), not on a replica.
+    # resources at build_app (serve_app.replica.placement.resolve_device), not on a replica.
     device: Literal[("auto", *DEVICES)] = "auto"  # the engine's list of devices, checked here
 
     # -- the model as served --
@@ -144,18 +144,18 @@ class AppArgs(_DeclaredElsewhere):
     # to the actor's num_cpus (1), which made the served engine single-threaded: 0.46 of the
     # engine's offline speed (docs/benchmarks.md). None: every core the replica may run on.
     engine_cpu_threads: int | None = Field(None, ge=1)
-    # The engine's step loop in a process of its own (engine/core_proc.py), out of the replica's
+    # The engine's step loop in a process of its own (engine/entrypoints/core_client.py), out of the replica's
     # GIL, which Ray's request machinery shares: in-process the step thread waited for it ~15% of
     # the time on the CPU box (docs/benchmarks.md). False: a thread of the replica, as before.
     engine_process: bool = True
     # The Ingress in every engine replica's process, calling its engine directly, instead of
     # its own deployment reaching the engine replicas over a gRPC stream per request
-    # (serve_app/ingress.py). The Ingress then scales with the engine (min/max_replicas) and
+    # (serve_app/http/ingress.py). The Ingress then scales with the engine (min/max_replicas) and
     # runs the JSON guardrails itself. On the 2-core CPU box it served 0.87 of the engine's
     # offline speed (median of 32 paired rounds) against 0.80 for the three deployments (24);
     # not measured on a GPU yet (docs/benchmarks.md). Off by default: see README.
     colocate_ingress: bool = False
-    # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.routing);
+    # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.replica.routing);
     # "power_of_two": Serve's default, a choice per request.
     request_router: Literal["batch_affinity", "power_of_two"] = "batch_affinity"
 
@@ -164,7 +164,7 @@ class AppArgs(_DeclaredElsewhere):
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0.0)
 
-    # -- the Guardrails deployment (JSON requests): its policy (serve_app.guardrail_policy) --
+    # -- the Guardrails deployment (JSON requests): its policy (serve_app.guard.policy) --
     guardrails: dict[str, Any] = Field(default_factory=dict)
 
     # -- the HTTP surface --
@@ -242,7 +242,7 @@ def resolve_app_args(args: dict[str, Any] | None) -> AppArgs:
 
 def check_model(a: AppArgs) -> None:
     """Fail at build time, naming the arg, when the checkpoint is missing or of an unsupported kind."""
-    from engine.model_path import resolve_model_path  # huggingface_hub: only where the app is built
+    from engine.loader.model_path import resolve_model_path  # huggingface_hub: only where the app is built
 
     try:
         ModelConfig.from_pretrained(resolve_model_path(a.model))

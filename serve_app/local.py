@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.network_utils import free_port
+from engine.executor.network_utils import free_port
 
 APP_NAME = "llm"
 # Ray Serve's high-throughput mode (Ray docs: "Enable High Throughput on Ray Serve"), which
@@ -68,7 +68,7 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     # Replicas import serve_app from this checkout even when the package is not installed.
     path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     # metrics_report_interval_ms: by default Ray's agent publishes recorded metrics every second (its
-    # own default is 10 s), so GET /metrics (serve_app/cluster_metrics.py) is at most ~2 s behind.
+    # own default is 10 s), so GET /metrics (serve_app/http/cluster_metrics.py) is at most ~2 s behind.
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              _system_config={"metrics_report_interval_ms": metrics_report_interval_ms},
              runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})

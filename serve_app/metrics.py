@@ -4,7 +4,7 @@ Every series is a `ray.serve.metrics` object (`ray.util.metrics` plus the `deplo
 `replica` and `application` labels of the replica that records it), so Ray's per-node
 metrics export carries every replica of every deployment: the Prometheus that scrapes a Ray
 cluster (KubeRay's PodMonitor, or `deploy/grafana/prometheus.yml`) sees the whole app, and
-`GET /metrics` on the HTTP port serves the same text (serve_app/cluster_metrics.py).
+`GET /metrics` on the HTTP port serves the same text (serve_app/http/cluster_metrics.py).
 Ray exports a series named `rayllm_x` as `ray_rayllm_x` (a counter as `ray_rayllm_x_total`).
 What each series means, and which alerts to set: docs/metrics.md.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable
 
-from engine.stats import IterationStats
+from engine.core.stats import IterationStats
 
 # vLLM's bucket layouts (vllm/v1/metrics/loggers.py), in seconds or tokens.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -38,7 +38,7 @@ def tiny_qwen3(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def gguf_view_cache(tmp_path_factory):
-    """GGUF views (engine.gguf_config) of this session's files go to a temporary cache, not ~/.cache."""
+    """GGUF views (engine.loader.gguf_config) of this session's files go to a temporary cache, not ~/.cache."""
     if "RAYLLM_GGUF_CACHE" in os.environ:
         yield os.environ["RAYLLM_GGUF_CACHE"]
         return

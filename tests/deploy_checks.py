@@ -19,7 +19,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import deployment_names
 from serve_app.args import parse_app_args
-from serve_app.placement import engine_placement
+from serve_app.replica.placement import engine_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYSERVICE = ROOT / "deploy" / "rayservice.yaml"

@@ -1,7 +1,7 @@
 """Write a GGUF file from an HF checkpoint directory, the way llama.cpp's convert_hf_to_gguf.py
 does for the families we run, so the tests make GGUFs without llama.cpp.
 
-Deliberately independent of engine.gguf_loader: tensor names come from the gguf package's
+Deliberately independent of engine.loader.gguf_loader: tensor names come from the gguf package's
 own HF -> GGUF name map, and the Q/K permutation is llama.cpp's converter formula, so a
 loader bug cannot cancel out against a writer bug.
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.gguf_config import gguf_source
+from engine.loader.gguf_config import gguf_source
 from loadtest.hf_peer import load_hf_from_gguf
 
 NEAR_TIE = 1e-3  # steps whose top-2 logit gap is below this may legitimately flip

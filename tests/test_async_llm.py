@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
-from engine.async_llm import EngineDeadError
+from engine.entrypoints.async_llm import EngineDeadError
 from engine.errors import InvalidRequestError, PromptTooLongError
 
 
@@ -246,7 +246,7 @@ def test_tp_worker_death_fails_every_waiter_within_5s_and_health(tiny_llama):
     import signal
     import time
 
-    from test_distributed_executor import resources, wait_until_released
+    from test_multiproc_executor import resources, wait_until_released
     before = resources()
     llm = AsyncLLM(EngineConfig(model=tiny_llama, device="cpu", dtype="float32", tensor_parallel_size=2,
                                 num_kv_blocks=64))
@@ -277,7 +277,7 @@ def test_tp_worker_death_fails_every_waiter_within_5s_and_health(tiny_llama):
 def test_lifecycle_leaves_nothing_behind(tiny_llama, how):
     import gc
 
-    from test_distributed_executor import resources, wait_until_released
+    from test_multiproc_executor import resources, wait_until_released
     before = resources()
     config = EngineConfig(model=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_llm import EngineDeadError
+from engine.entrypoints.async_llm import EngineDeadError
 from engine.errors import PromptTooLongError
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.stages import EngineStage, RetryCounter, ids_from_column, postprocess_batch, preprocess_batch

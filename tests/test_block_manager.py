@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, hash_block_tokens
+from engine.core.block_manager import BlockManager, hash_block_tokens
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 BS = 4
 

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.core.detokenizer import IncrementalDetokenizer, decode_token
 from engine.sampling_params import SamplingParams
 
 CORPUS = [

@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.gguf_config import SUPPORTED_TENSOR_TYPES, find_gguf, hf_view
-from engine.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
-from engine.model_path import resolve_model_path
+from engine.loader.gguf_config import SUPPORTED_TENSOR_TYPES, find_gguf, hf_view
+from engine.loader.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
+from engine.loader.model_path import resolve_model_path
 from tests.gguf_writer import llama_cpp_permute, save_as_hf, write_gguf
 from tests.hf_reference import assert_matches, hf_greedy
 

@@ -1,10 +1,10 @@
-"""serve_app.guardrail_policy: each check, redaction, the policy's own validation, the error body."""
+"""serve_app.guard.policy: each check, redaction, the policy's own validation, the error body."""
 import json
 import pickle
 
 import pytest
 
-from serve_app.guardrail_policy import REDACTED, GuardrailError, GuardrailPolicy, check_output
+from serve_app.guard.policy import REDACTED, GuardrailError, GuardrailPolicy, check_output
 
 SCHEMA = {
     "type": "object",

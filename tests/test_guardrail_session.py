@@ -1,12 +1,12 @@
-"""serve_app.guardrail_session: what a JSON request generates, passes on, retries and fails with (no Ray)."""
+"""serve_app.guard.session: what a JSON request generates, passes on, retries and fails with (no Ray)."""
 import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from serve_app.errors import stream_error
-from serve_app.guardrail_policy import GuardrailPolicy
-from serve_app.guardrail_session import GuardedRequest, attempt_seed
-from serve_app.messages import Delta, EngineRequest, StreamError, StreamItem
+from serve_app.http.errors import stream_error
+from serve_app.guard.policy import GuardrailPolicy
+from serve_app.guard.session import GuardedRequest, attempt_seed
+from serve_app.http.messages import Delta, EngineRequest, StreamError, StreamItem
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 5}}, "required": ["a"],
           "additionalProperties": False}
@@ -140,7 +140,7 @@ def test_logprobs_of_an_unredacted_choice_are_kept():
 def test_engine_errors_pass_through_and_schema_refusals_name_response_format():
     g = GuardedRequest(_request(), GuardrailPolicy())
     g.next_attempt()
-    # As the engine replica reports engine/guided.py's refusal (serve_app.errors.stream_error).
+    # As the engine replica reports engine/core/structured_output.py's refusal (serve_app.http.errors.stream_error).
     refusal = stream_error(InvalidRequestError("'contains' (at #) is not supported by grammar-constrained decoding: x",
                                                param="structured_outputs"))
     out = g.feed(StreamItem(finished=True, error=refusal))

@@ -3,7 +3,7 @@ once became 4 GiB of RSS at start-up)."""
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_cache import allocate_kv_tensor
+from engine.worker.kv_cache import allocate_kv_tensor
 
 
 def _rss_bytes() -> int:

@@ -1,4 +1,4 @@
-"""engine.llm_engine: overlapped scheduling gives exactly the outputs of one-step-at-a-time.
+"""engine.core.llm_engine: overlapped scheduling gives exactly the outputs of one-step-at-a-time.
 
 With `async_scheduling=True` step N+1 is scheduled and launched before step N's tokens are
 processed; on CPU the launches run synchronously, but every bookkeeping path is the one the

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
-from engine.loader import load_weights
-from engine.model_path import resolve_model_path
+from engine.loader.weights import load_weights
+from engine.loader.model_path import resolve_model_path
 from engine.models import get_model_class
 from test_models import build_hf_checkpoint, load_our_model
 

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
-from engine.forward_context import AttentionMetadata, set_forward_context  # noqa: E402
+from engine.worker.forward_context import AttentionMetadata, set_forward_context  # noqa: E402
 from engine.layers.attention import Attention  # noqa: E402
-from engine.loader import load_weights  # noqa: E402
+from engine.loader.weights import load_weights  # noqa: E402
 from engine.models import MODEL_REGISTRY, get_model_class  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from engine.output_collector import RequestOutputCollector
+from engine.entrypoints.output_collector import RequestOutputCollector
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 

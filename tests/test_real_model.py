@@ -16,7 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.tools.demo import QUESTIONS
 from engine.tools.demo_model import MODEL_NAME, fetch_demo_model
-from engine.model_path import resolve_model_path
+from engine.loader.model_path import resolve_model_path
 from serve_app.local import local_server
 from tests.hf_reference import assert_matches, hf_greedy
 

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from engine.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.messages import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 EOS = 2
@@ -294,8 +294,8 @@ def test_prefix_cache_hit_across_requests():
 def test_prompt_logprobs_request_takes_capped_chunks(monkeypatch):
     # Each of its rows is scored over the whole vocab: the cap bounds that step's logits memory.
     # The budget it leaves goes to the other request.
-    import engine.scheduler
-    monkeypatch.setattr(engine.scheduler, "MAX_PROMPT_LOGPROB_ROWS", 8)
+    import engine.core.scheduler
+    monkeypatch.setattr(engine.core.scheduler, "MAX_PROMPT_LOGPROB_ROWS", 8)
     sched = make_sched(max_num_batched_tokens=32)
     sched.add_seq(make_seq("scored", 20, prompt_logprobs=1))
     sched.add_seq(make_seq("plain", 20))

@@ -12,11 +12,11 @@ import random
 from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.outputs import ModelRunnerOutput
+from engine.core.block_manager import BlockManager
+from engine.core.messages import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 
 VOCAB, P_EOS, P_STOP = 6, 5, 4  # tiny vocab: prompts share prefixes, samples hit EOS and stop ids often
 P_LEN = 24                      # max_model_len of the property test

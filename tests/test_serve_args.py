@@ -9,8 +9,8 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import build_app, colocated_options, deployment_names, engine_options, ingress_options
 from serve_app.args import parse_app_args
-from serve_app.guardrail_policy import GuardrailPolicy
-from serve_app.placement import engine_placement
+from serve_app.guard.policy import GuardrailPolicy
+from serve_app.replica.placement import engine_placement
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
 
@@ -141,7 +141,7 @@ def test_deploy_config_is_a_valid_serve_config():
 def test_cpu_threads_split_over_tp_ranks(monkeypatch):
     import torch
 
-    from serve_app.placement import use_cpu_threads
+    from serve_app.replica.placement import use_cpu_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray exports into a 1-CPU actor
     before = torch.get_num_threads()

@@ -5,8 +5,8 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 
 from engine.sampling_params import SamplingParams
-from serve_app.client import merge_streams, stream_from
-from serve_app.messages import EngineRequest, StreamItem
+from serve_app.replica.client import merge_streams, stream_from
+from serve_app.http.messages import EngineRequest, StreamItem
 
 
 def test_interleaves_in_arrival_order():

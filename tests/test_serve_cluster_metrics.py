@@ -1,7 +1,7 @@
-"""serve_app/cluster_metrics.py: merging the metrics exports of several Ray nodes into one scrape."""
+"""serve_app/http/cluster_metrics.py: merging the metrics exports of several Ray nodes into one scrape."""
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_app.cluster_metrics import merge_exports
+from serve_app.http.cluster_metrics import merge_exports
 
 NODE_A = """# HELP ray_rayllm_prompt_tokens_total Prefill tokens.
 # TYPE ray_rayllm_prompt_tokens_total counter

@@ -3,13 +3,13 @@ import asyncio
 
 import pytest
 
-from engine.async_llm import EngineDeadError
+from engine.entrypoints.async_llm import EngineDeadError
 from engine.errors import PromptTooLongError, WorkerDiedError
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from serve_app.args import StreamingConfig
-from serve_app.engine_deployment import SHUTDOWN_MESSAGE, EngineDeployment, to_stream_item
-from serve_app.messages import EngineRequest
+from serve_app.replica.engine_deployment import SHUTDOWN_MESSAGE, EngineDeployment, to_stream_item
+from serve_app.http.messages import EngineRequest
 from serve_app.metrics import EngineMetrics
 from tests.fake_metrics import Recorder
 
@@ -164,7 +164,7 @@ def test_the_interval_stretches_with_the_streams_on_the_replica():
 
 
 def test_fault_injection_is_refused_unless_enabled(monkeypatch):
-    from serve_app.engine_deployment import FAULT_INJECTION_ENV
+    from serve_app.replica.engine_deployment import FAULT_INJECTION_ENV
     dep = _deployment(FakeLLM())
     monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
     with pytest.raises(PermissionError, match=FAULT_INJECTION_ENV):

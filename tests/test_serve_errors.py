@@ -5,10 +5,10 @@ import pytest
 
 from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, WorkerDiedError
 from engine.sampling_params import SamplingParams
-from serve_app.errors import (ERROR_TABLE, OpenAIError, body_too_large, from_stream_error, from_value_error,
+from serve_app.http.errors import (ERROR_TABLE, OpenAIError, body_too_large, from_stream_error, from_value_error,
                               model_not_found, overloaded, stream_error, unauthorized)
-from serve_app.guardrail_policy import GuardrailError
-from serve_app.messages import ErrorKind, StreamError
+from serve_app.guard.policy import GuardrailError
+from serve_app.http.messages import ErrorKind, StreamError
 
 
 def test_body_shape():

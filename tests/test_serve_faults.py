@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.engine_deployment import FAULT_INJECTION_ENV
+from serve_app.replica.engine_deployment import FAULT_INJECTION_ENV
 from serve_app.local import call_deployment, local_server
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

@@ -17,12 +17,12 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
-from serve_app.client import RemoteEngine
-from serve_app.guardrail_policy import GuardrailPolicy
-from serve_app.guardrail_session import attempt_seed
-from serve_app.guardrails import JsonGuard
+from serve_app.replica.client import RemoteEngine
+from serve_app.guard.policy import GuardrailPolicy
+from serve_app.guard.session import attempt_seed
+from serve_app.guard.guardrails import JsonGuard
 from serve_app.local import APP_NAME, local_server
-from serve_app.messages import Delta, EngineRequest, StreamItem
+from serve_app.http.messages import Delta, EngineRequest, StreamItem
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -54,7 +54,7 @@ NESTED = {
     "required": ["name", "age", "score", "color", "tags", "address", "items"],
     "additionalProperties": False,
 }
-# The grammar drops uniqueItems (engine/guided.py): [false,false] comes out, the guardrail retries it.
+# The grammar drops uniqueItems (engine/core/structured_output.py): [false,false] comes out, the guardrail retries it.
 UNIQUE = {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
 LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 60}}, "required": ["text"],
              "additionalProperties": False}

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from serve_app.preprocess import ModelLimits, PrepJob, prepare_batch
+from serve_app.http.preprocess import ModelLimits, PrepJob, prepare_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-HTTP_TIER = "import serve_app.ingress, serve_app.guardrails\n"
+HTTP_TIER = "import serve_app.http.ingress, serve_app.guard.guardrails\n"
 JOBS = [{"max_tokens": 4, "prompts": ["Hello there, world"]},
         {"max_tokens": 4, "messages": [{"role": "user", "content": "Say hi"}]}]
 LIMITS = ModelLimits(max_model_len=2048, vocab_size=10**6)
@@ -33,8 +33,8 @@ def test_http_tier_tokenizes_the_same_without_torch_installed(tiny_llama):
     # None in sys.modules: `import torch` fails, and importlib.util.find_spec (what transformers
     # asks) says it is absent, as on an HTTP-tier image that does not install it.
     code = ("import sys\nsys.modules['torch'] = sys.modules['triton'] = None\n" + HTTP_TIER +
-            "import json\nfrom serve_app.ingress import _load_tokenizer\n"
-            "from serve_app.preprocess import ModelLimits, PrepJob, prepare_batch\n"
+            "import json\nfrom serve_app.http.ingress import _load_tokenizer\n"
+            "from serve_app.http.preprocess import ModelLimits, PrepJob, prepare_batch\n"
             f"tok = _load_tokenizer({tiny_llama!r})\n"
             f"jobs = [PrepJob(**j) for j in json.loads({json.dumps(JOBS)!r})]\n"
             "out = prepare_batch(tok, jobs, ModelLimits(max_model_len=2048, vocab_size=10**6))\n"

@@ -13,9 +13,9 @@ from ray import serve
 from starlette.requests import ClientDisconnect
 
 from serve_app.args import AppArgs
-from serve_app.ingress import Ingress
-from serve_app.ingress import app as ingress_app
-from serve_app.messages import Delta, StreamItem
+from serve_app.http.ingress import Ingress
+from serve_app.http.ingress import app as ingress_app
+from serve_app.http.messages import Delta, StreamItem
 from serve_app.metrics import IngressMetrics
 from tests.fake_metrics import Recorder
 

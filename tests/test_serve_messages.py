@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from serve_app.messages import ErrorKind, StreamError
+from serve_app.http.messages import ErrorKind, StreamError
 
 
 def test_stream_error_kind_is_checked_and_compares_as_its_string():

@@ -1,5 +1,5 @@
 """serve_app/metrics.py without Ray: what each replica records (through an in-memory factory)."""
-from engine.stats import FinishedRequestStats, IterationStats
+from engine.core.stats import FinishedRequestStats, IterationStats
 from serve_app.metrics import EngineMetrics, IngressMetrics, build_1_2_5_buckets
 from tests.fake_metrics import Recorder
 

@@ -2,8 +2,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app.errors import OpenAIError
-from serve_app.preprocess import ModelLimits, Prepared, PrepJob, prepare_batch
+from serve_app.http.errors import OpenAIError
+from serve_app.http.preprocess import ModelLimits, Prepared, PrepJob, prepare_batch
 
 LIMITS = ModelLimits(max_model_len=64, vocab_size=1000)
 

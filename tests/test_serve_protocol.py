@@ -5,8 +5,8 @@ import pytest
 from pydantic import ValidationError
 
 from engine.sampling_params import StructuredOutputsParams
-from serve_app.errors import from_validation_error
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.http.errors import from_validation_error
+from serve_app.http.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def _parse(cls, body: dict):

@@ -1,6 +1,6 @@
 """Engine deltas -> OpenAI bodies and chunks (no Ray): choice numbering, logprobs formats, usage, echo."""
-from serve_app.messages import Delta, StreamItem
-from serve_app.responses import ChatBuilder, CompletionBuilder
+from serve_app.http.messages import Delta, StreamItem
+from serve_app.http.responses import ChatBuilder, CompletionBuilder
 
 # (token_id, logprob, rank, text): the sampled token first, then the top-k
 LP_A = [(5, -0.1, 1, "a"), (6, -2.0, 2, "b")]

@@ -1,7 +1,7 @@
 """BatchAffinityRouter's pure parts (no Ray): the LRU batch table and the least-loaded pick."""
 from types import SimpleNamespace
 
-from serve_app.routing import StickyTable, least_loaded
+from serve_app.replica.routing import StickyTable, least_loaded
 
 
 def test_sticky_table_is_lru():

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from serve_app.errors import OpenAIError
-from serve_app.messages import Delta, StreamError, StreamItem
+from serve_app.http.errors import OpenAIError
+from serve_app.http.messages import Delta, StreamError, StreamItem
 from serve_app.metrics import IngressMetrics
-from serve_app.responses import ChatBuilder, CompletionBuilder
-from serve_app.streaming import SSE_DONE, Generation, sse, sse_error
+from serve_app.http.responses import ChatBuilder, CompletionBuilder
+from serve_app.http.streaming import SSE_DONE, Generation, sse, sse_error
 from tests.fake_metrics import Recorder
 
 

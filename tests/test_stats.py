@@ -1,9 +1,9 @@
-"""engine/stats.py: what the engine reports per step and per finished request (the served metrics read it)."""
+"""engine/core/stats.py: what the engine reports per step and per finished request (the served metrics read it)."""
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.outputs import RequestMetrics
-from engine.stats import StatsLog
+from engine.core.stats import StatsLog
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=8, seed=0)
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.distributed import (destroy_tp_group, get_tp_rank, get_tp_size, init_tp_group,
+from engine.executor.parallel_state import (destroy_tp_group, get_tp_rank, get_tp_size, init_tp_group,
                                 tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
-from engine.network_utils import free_port
+from engine.executor.network_utils import free_port
 from test_models import attach_kv_cache, build_hf_checkpoint, load_our_model, prompts, run_step
 
 TP_SIZE = 2

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.config import ATTENTION_BACKENDS
-from engine.forward_context import get_forward_context
+from engine.worker.forward_context import get_forward_context
 
 
 def _load_backend(backend: str):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
+from engine.executor.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                 tensor_model_parallel_all_reduce)
 from engine.layers.cpu_gemm import packed_linear
 from engine.layers.linear import copy_weight

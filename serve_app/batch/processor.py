@@ -23,7 +23,7 @@ from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, check_columns
 from serve_app.batch.stages import (NO_ID_COLUMN, EngineClient, EngineStage, RetryCounter, RowFn, postprocess_batch,
                                    preprocess_batch)
-from serve_app.placement import resolve_device
+from serve_app.replica.placement import resolve_device
 
 # Retries: an engine actor that dies (OOM-kill, a lost node) is restarted and its batches
 # resubmitted by Ray (the engine actors' max_restarts=-1, max_task_retries=-1, as Ray Data's

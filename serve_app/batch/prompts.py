@@ -115,5 +115,5 @@ def load_tokenizer(model: str):
     """One tokenizer per worker process and model (Ray reuses worker processes across tasks)."""
     from transformers import AutoTokenizer
 
-    from engine.model_path import resolve_model_path
+    from engine.loader.model_path import resolve_model_path
     return AutoTokenizer.from_pretrained(resolve_model_path(model))

@@ -26,8 +26,8 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, build_prompts, load_tokenizer, tokenize_prompts
-from serve_app.guardrail_policy import GuardrailPolicy, check_output
-from serve_app.placement import use_cpu_threads
+from serve_app.guard.policy import GuardrailPolicy, check_output
+from serve_app.replica.placement import use_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class EngineStage:
     batch as its sequences finish, so the engine's batch stays full across batch boundaries
     (continuous batching), instead of draining at the end of every batch while Ray Data ships
     the next one in and the last one out. Outputs do not depend on the batch around a row:
-    greedy is greedy, and a seeded row samples from its own generator (engine/sampler.py).
+    greedy is greedy, and a seeded row samples from its own generator (engine/worker/sampler.py).
 
     A batch whose generation raises is retried up to `max_batch_retries` times on a fresh engine
     (the failure may have left the old one in any state; batches that failed with the same

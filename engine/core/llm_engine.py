@@ -1,0 +1,295 @@
+"""The synchronous engine core: requests in, one step at a time, RequestOutputs out.
+
+`LLM` (offline) and `AsyncLLM` (serving) both wrap it. One thread drives it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from engine.core.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.loader.model_path import resolve_model_path
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.core.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.core.stats import StatsLog
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(config.tokenizer) if config.tokenizer else model_path)
+        # Device, dtype, attention backend and the None defaults are decided here, once; every
+        # stage below (executor, TP workers, model runner, attention) reads this resolved copy.
+        self.config = config = config.resolve(self.model_config)
+        self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer)
+        self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
+        # Workers and the process group go when the engine does, even if nobody calls shutdown().
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=config.max_model_len, block_manager=self.block_manager,
+                                   eos_token_ids=self.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+        self.async_scheduling = bool(config.async_scheduling)
+        self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
+        self.num_host_waits = 0  # overlapped steps that waited for the previous tokens (grammar, penalties)
+        self.num_generated_tokens = 0  # lifetime counter, for metrics
+        self.stats_log = StatsLog()  # per-step and per-request observations; off until enabled
+        logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
+                    self.executor.num_kv_blocks, config.block_size)
+
+    # -- requests --------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                     arrival_time: float | None = None) -> RequestState:
+        """Tokenize and validate; touches no engine state, so a caller may run it on any thread."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival) for i in range(params.n)]
+        for sib in seqs[1:]:
+            sib.prefix_source = seqs[0]
+        if params.structured_outputs is not None:
+            compiled = self.structured_outputs.compile(params.structured_outputs)  # ValueError if unusable
+            for seq in seqs:
+                seq.grammar = self.structured_outputs.new_matcher(compiled)
+        detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
+        return RequestState(request_id, text, token_ids, params, seqs, detoks, RequestMetrics(arrival))
+
+    def add_request_state(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        added = []
+        try:
+            for seq in state.seqs:
+                self.scheduler.add_seq(seq)
+                added.append(seq)
+        except BaseException:
+            if added:  # registered only once whole, so a refused request never lingers
+                self.scheduler.abort(state.request_id)
+            raise
+        self.requests[state.request_id] = state
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add_request_state(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort and free; returns the request's final output (finish_reason "abort"), or None if unknown."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        for seq in state.seqs:
+            self.executor.free_seq(seq.seq_id)
+        self.stats_log.on_finished(state.metrics, "abort", len(state.prompt_token_ids),
+                                   [s.num_output_tokens for s in state.seqs], time.monotonic())
+        return state.make_output(set(range(len(state.seqs))), self.tokenizer)
+
+    def has_unfinished_requests(self) -> bool:
+        # A launched step still to process counts: its sequences may all have finished already,
+        # but its tokens must be collected before the engine goes idle.
+        return bool(self.requests) or self._inflight is not None
+
+    # -- stepping ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        Without overlapped scheduling that is this step. With it, this step's forward (and
+        usually its sampling) is launched first and the previous step is processed while the
+        device runs it; a step whose sampling needs the previous tokens on the host (grammar
+        bitmask, penalties, min_tokens) samples after that processing instead.
+        """
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return self._process_inflight()
+        self._record_scheduled(sched_out)
+        handle = self.executor.forward(sched_out)
+        sampled = sched_out.sampled_seqs
+        outputs = []
+        if any(_needs_host_state(s) for s in sampled):
+            if self._inflight is not None:
+                self.num_host_waits += 1
+            outputs = self._process_inflight()
+            handle = self.executor.sample(handle, self._grammar_bitmask(sampled))
+        else:
+            handle = self.executor.sample(handle)
+            outputs = self._process_inflight()  # the previous step, while this one runs
+        self._inflight = handle
+        if not self.async_scheduling:
+            outputs += self._process_inflight()
+        return outputs
+
+    def _grammar_bitmask(self, sampled: list[Sequence]):
+        if any(s.grammar is not None for s in sampled):
+            return self.structured_outputs.fill_bitmask([s.grammar for s in sampled])
+        return None
+
+    def _process_inflight(self) -> list[RequestOutput]:
+        """Wait for the launched step's tokens and turn them into request outputs."""
+        handle, self._inflight = self._inflight, None
+        if handle is None:
+            return []
+        sched_out = handle.scheduler_output
+        runner_out = self.executor.collect(handle)
+        for seq, entry in zip(sched_out.sampled_seqs, runner_out.logprobs or ()):
+            if entry is not None and not seq.is_finished:
+                seq.output_logprobs.append(entry)
+        if runner_out.prompt_logprobs:
+            for seq in sched_out.seqs:
+                seq.prompt_logprobs.extend(runner_out.prompt_logprobs.get(seq.seq_id, ()))
+        updated = self.scheduler.update_from_output(sched_out, runner_out)
+        return self._process_updates(updated)
+
+    def _record_scheduled(self, sched_out) -> None:
+        if not self.stats_log.enabled:  # queue times are only read by an enabled StatsLog
+            return
+        now = time.monotonic()
+        self.stats_log.on_step(sched_out.total_num_scheduled_tokens)
+        for seq in sched_out.seqs:
+            state = self.requests.get(seq.request_id)
+            if state is not None:
+                self.stats_log.on_scheduled(state.metrics, now)
+
+    def _process_updates(self, updated: list[Sequence]) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: dict[str, set[int]] = {}
+        for seq in updated:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            self.num_generated_tokens += 1
+            if seq.request_id not in changed:  # once per request and step (vLLM's ITL unit)
+                num_new = sum(1 for s in updated if s.request_id == seq.request_id) if len(state.seqs) > 1 else 1
+                self.stats_log.on_new_tokens(state.metrics, len(state.prompt_token_ids), num_new, now)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                state.metrics.num_cached_tokens = state.seqs[0].num_cached_tokens
+            stop_str = state.detokenizers[seq.index].update([seq.last_token_id])
+            if stop_str is not None:
+                self._finish_on_stop_string(seq, stop_str)
+            if seq.grammar is not None:
+                self._advance_grammar(seq)
+            if seq.is_finished:
+                self.executor.free_seq(seq.seq_id)
+            changed.setdefault(seq.request_id, set()).add(seq.index)
+        return self._collect_outputs(changed, now)
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        seq.grammar.accept_token(seq.last_token_id)
+        if seq.grammar.is_finished() and not seq.is_finished:  # the document is complete: end here
+            self.scheduler.finish_seq(seq, "stop", None)
+
+    @functools.cached_property
+    def structured_outputs(self):
+        from engine.core.structured_output import StructuredOutputManager  # xgrammar is loaded only when first needed
+        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                       stop_token_ids=self.eos_token_ids)
+
+    def _finish_on_stop_string(self, seq: Sequence, stop_str: str) -> None:
+        if seq.is_finished:  # also hit a length limit on this token: the stop string wins, as in vLLM
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        else:
+            self.scheduler.finish_seq(seq, "stop", stop_str)
+
+    def _collect_outputs(self, changed: dict[str, set[int]], now: float) -> list[RequestOutput]:
+        outputs = []
+        for request_id, indices in changed.items():
+            state = self.requests[request_id]
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[request_id]
+                self.stats_log.on_finished(state.metrics, state.seqs[0].finish_reason or "stop",
+                                           len(state.prompt_token_ids),
+                                           [s.num_output_tokens for s in state.seqs], now)
+            out = state.make_output(indices, self.tokenizer)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # -- helpers ------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
+                raise InvalidRequestError("prompt_token_ids must be a list of integers", param="prompt")
+            return prompt.get("prompt"), list(ids)
+        raise InvalidRequestError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, "
+                                  f"got {type(prompt).__name__}", param="prompt")
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary (vocab_size={vocab})", param="prompt")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size={vocab})",
+                                      param="stop_token_ids")
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+
+    def get_stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_host_waits": self.num_host_waits,
+            "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
+            "prefix_cache_hits": bm.num_hit_tokens,
+        }
+
+    def shutdown(self) -> None:
+        """Stop the TP workers and leave the process group; idempotent."""
+        self._finalizer()
+
+
+def _needs_host_state(seq: Sequence) -> bool:
+    """Sampling this sequence reads its latest tokens on the host: a grammar matcher, penalties
+    over its output, or a min_tokens count still in force."""
+    p = seq.sampling_params
+    return (seq.grammar is not None or p.has_penalties
+            or bool(p.min_tokens and seq.num_output_tokens < p.min_tokens))
+
+
+def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:
+    ids = list(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _make_executor(config: EngineConfig, model_config: ModelConfig, model_path, eos_token_ids):
+    if config.tensor_parallel_size > 1:
+        from engine.executor.multiproc_executor import MultiprocExecutor
+        return MultiprocExecutor(config, model_config, model_path, eos_token_ids)
+    from engine.executor.uniproc_executor import UniprocExecutor
+    return UniprocExecutor(config, model_config, model_path, eos_token_ids)

@@ -1,0 +1,89 @@
+"""The messages between the engine's stages, and nothing else.
+
+    Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler.update_from_output
+    ModelRunner (rank 0) --ModelInput--> every TP worker's ModelRunner
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute in one step: a snapshot, taken when the step was scheduled.
+
+    Tokens are laid out flat in `seqs` order: sequence i computes positions
+    `num_computed_tokens[i] : num_computed_tokens[i] + num_scheduled_tokens[i]`
+    (a decode schedules 1, a prefill chunk several; prefill and decode mix).
+    The per-sequence lists are fixed by `schedule()`; later stages read them and
+    never recompute them from live `Sequence` state, which the scheduler has
+    already moved on (and, with overlapped scheduling, may move again before
+    this step's results are processed).
+    """
+
+    seqs: list[Sequence]               # scheduled sequences, in flat-token order
+    num_scheduled_tokens: list[int]    # new tokens computed for each, >= 1
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step (for stats)
+    num_computed_tokens: list[int] = field(default_factory=list)  # each one's first position this step
+    sample_flags: list[bool] = field(default_factory=list)   # its chunk reaches its last token: sample
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that sample this step, in flat order (the rows of the logits)."""
+        return [s for s, f in zip(self.seqs, self.sample_flags) if f]
+
+
+@dataclass
+class SampleLogprobs:
+    """Log-probabilities around one token: a sampled one, or a prompt token (prompt logprobs)."""
+
+    token_id: int             # the sampled (or prompt) token
+    logprob: float            # its log-probability under the sampling distribution's logits (log_softmax of raw logits)
+    rank: int                 # 1-based rank of the sampled token among all logits
+    top_token_ids: list[int]  # the k most likely tokens, most likely first
+    top_logprobs: list[float] # and their log-probabilities
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, for the sequences whose sample flag was set, in scheduler order."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[SampleLogprobs | None] | None = None  # None when no sequence asked for logprobs
+    # seq_id -> this step's new prompt logprob entries (the prompt token is `token_id`), in
+    # position order; None when no scheduled sequence asked for prompt logprobs.
+    prompt_logprobs: dict[int, list[SampleLogprobs]] | None = None
+
+
+@dataclass
+class ModelInput:
+    """One step's flat model inputs as host lists: built by rank 0, replayed by every TP worker.
+
+    Plain lists (not tensors) so the message to worker processes is small and device-free.
+    """
+
+    input_ids: list[int]       # [num_tokens]; 0 at the rows listed in prev_token_rows
+    positions: list[int]       # [num_tokens]
+    slot_mapping: list[int]    # [num_tokens], cache slot of each new token
+    block_tables: list[list[int]]  # [num_seqs][max_blocks], padded with 0
+    seq_lens: list[int]        # [num_seqs], context length incl. new tokens
+    query_lens: list[int]      # [num_seqs], new tokens per sequence
+    sample_rows: list[int]     # flat row indices whose logits are sampled
+    # Flat rows whose logits give prompt logprobs (row at position p scores prompt token p + 1);
+    # empty unless a scheduled prefill chunk asked for them.
+    prompt_logprob_rows: list[int] = field(default_factory=list)
+    # Overlapped scheduling: flat rows whose input token was sampled by the previous step and is
+    # still on the device only, and that token's row in the previous step's sampled ids.
+    # Always empty when steps run one after another (and so for TP workers).
+    prev_token_rows: list[int] = field(default_factory=list)
+    prev_token_src: list[int] = field(default_factory=list)

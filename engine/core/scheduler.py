@@ -1,0 +1,290 @@
+"""Token-budget continuous batching with chunked prefill and preemption by recompute. No torch.
+
+One step, under `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
+
+  1. running sequences, oldest first: a decode token each, or their next
+     prefill chunk. When one cannot get a block, the newest running sequence
+     is preempted (blocks freed, back to the front of the queue, recomputed
+     later) until it fits, or it is itself the newest and steps back.
+  2. waiting sequences, FIFO, while tokens, sequence slots and blocks last; a
+     prompt may be admitted with only its first chunk. Skipped in a step that
+     preempted: there was no room for what was already running.
+
+Prefill and decode mix in one step; the model runner sees one flat batch.
+
+Scheduling a step moves `num_computed_tokens` at once (the step's K/V will be
+written before any later step reads it: steps run in order on one stream), so
+step N+1 can be scheduled while step N still runs. A token sampled by a step
+whose result is not back yet is a placeholder (`num_output_placeholders`):
+the next decode of that sequence feeds it from the device, and a sequence
+that turns out to have stopped has that next step's token discarded.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.core.block_manager import BlockManager
+from engine.errors import InvalidRequestError, PromptTooLongError, check_int
+from engine.math_utils import cdiv
+from engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
+
+FINISH_REASONS = ("stop", "length", "abort")
+# A chunk of a request still owed prompt logprobs is scored row by row: [rows, vocab] logits
+# plus their log_softmax. Capping its rows per step bounds that memory (512 x a 152k vocab in
+# fp32 is ~0.6 GB with the copy), which the start-up memory profile does not account for.
+MAX_PROMPT_LOGPROB_ROWS = 512
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 block_manager: BlockManager, eos_token_ids: list[int] | tuple[int, ...] = ()):
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_int("max_model_len", max_model_len)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self._seqs_by_request: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0  # total, for metrics
+
+    # -- queue state ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- requests in and out -----------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise PromptTooLongError (InvalidRequestError for an empty prompt), naming the numbers,
+        for a request that could never run.
+
+        Checked up front so that a lone sequence can always make progress later:
+        it fits max_model_len and, even with every other request preempted, the cache.
+        """
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
+        if max_tokens is None and num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output "
+                                     f"within max_model_len={self.max_model_len}")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                                     f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len={self.max_model_len}")
+        num_output = self.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
+        # The last sampled token is never fed back, so it needs no KV slot.
+        num_kv_blocks = cdiv(num_prompt_tokens + num_output - 1, self.block_manager.block_size)
+        if num_kv_blocks > self.block_manager.num_blocks:
+            raise PromptTooLongError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({num_output}) needs {num_kv_blocks} KV blocks "
+                f"of {self.block_manager.block_size} tokens, but the whole cache has "
+                f"num_blocks={self.block_manager.num_blocks}")
+
+    def add_seq(self, seq: Sequence) -> None:
+        """Queue a sequence; PromptTooLongError / InvalidRequestError (see check_fits) if it could never run."""
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, seq
+        try:
+            self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        except InvalidRequestError as e:  # the same error (type, param, code), naming the request
+            raise type(e)(f"request {seq.request_id!r}: {e}", e.param, e.code) from None
+        self.waiting.append(seq)
+        self._seqs_by_request.setdefault(seq.request_id, []).append(seq)
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish `seq` (waiting or running) and free its blocks; a no-op if it already finished."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason {reason!r} is invalid: choose one of {FINISH_REASONS}")
+        if seq.is_finished:
+            return
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.free(seq)
+        siblings = self._seqs_by_request[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self._seqs_by_request[seq.request_id]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every live sequence of `request_id` with reason "abort"; returns them ([] if none)."""
+        seqs = list(self._seqs_by_request.get(request_id, ()))
+        for seq in seqs:
+            self.finish_seq(seq, "abort")
+        return seqs
+
+    # -- one step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(seqs=[], num_scheduled_tokens=[])
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        self._update_after_schedule(out)
+        return out
+
+    @staticmethod
+    def _update_after_schedule(out: SchedulerOutput) -> None:
+        """Snapshot where each chunk starts and whether it samples, then move the sequences on."""
+        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
+            out.num_computed_tokens.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += num_new
+            samples = seq.num_computed_tokens == seq.num_tokens_with_placeholders
+            out.sample_flags.append(samples)
+            seq.num_output_placeholders += samples  # its token is unknown until the step is processed
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self._ends_with_placeholder(seq):
+                i += 1  # its in-flight token is its last: it finishes when that step is processed
+                continue
+            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, _chunk_limit(seq, budget))
+            assert num_new >= 1, seq
+            if not self._allocate_or_preempt(seq, num_new, out):
+                break  # seq was the newest and stepped back itself; nothing runs after it
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until `seq` gets its blocks; False if `seq` itself went.
+
+        Victims are always after `seq` in `running`, so nothing already scheduled this step is touched.
+        """
+        while not self.block_manager.allocate_slots(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _ends_with_placeholder(self, seq: Sequence) -> bool:
+        """An in-flight token that reaches max_tokens or max_model_len: never schedule past it
+        (check_fits sized the cache for exactly that many tokens)."""
+        if not seq.num_output_placeholders:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        return (seq.num_tokens_with_placeholders >= self.max_model_len
+                or (max_tokens is not None and seq.num_output_tokens + seq.num_output_placeholders >= max_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)  # its full blocks stay in the prefix cache, so recompute may hit
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)  # popped newest-first, so older victims end up in front
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Sequence] = []  # siblings waiting for their source's prompt; keep their place
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_output_placeholders or self._waits_for_prefix_source(seq):
+                # A placeholder: preempted while its last step was in flight; back once processed.
+                skipped.append(self.waiting.popleft())
+                continue
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break  # no blocks: FIFO, later requests don't jump the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    @staticmethod
+    def _live_prefix_source(seq: Sequence) -> Sequence | None:
+        """The running sibling whose prompt blocks an n > 1 sequence may share, if any.
+        A preempted or finished source (or a sequence that already has output) means: go alone."""
+        src = seq.prefix_source
+        if src is None or src is seq or seq.num_output_tokens or src.status is not SequenceStatus.RUNNING:
+            return None
+        return src
+
+    def _waits_for_prefix_source(self, seq: Sequence) -> bool:
+        src = self._live_prefix_source(seq)
+        return src is not None and src.num_computed_tokens < src.num_prompt_tokens
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Take blocks for `seq`'s first chunk (reusing a sibling's prompt or the prefix cache);
+        returns the number of tokens scheduled, 0 (and no change) if the blocks don't fit."""
+        bm, src = self.block_manager, self._live_prefix_source(seq)
+        num_cached = 0
+        shared = src is not None  # and its prompt is computed: _waits_for_prefix_source said so
+        if shared:
+            bm.share_prefix(src, seq)
+        elif not seq.num_missing_prompt_logprobs:
+            # Cached positions have no hidden states to take prompt logprobs from, so, as vLLM
+            # does, a request still missing some computes its whole prompt (its blocks are still
+            # cached for others).
+            num_cached = bm.get_computed_blocks(seq)
+        num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, _chunk_limit(seq, budget))
+        if not bm.allocate_slots(seq, num_new, num_computed_from_cache=num_cached):
+            if shared:
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+            return 0
+        seq.status = SequenceStatus.RUNNING
+        if seq.num_preemptions == 0:  # report what the prompt reused, not what a recompute got back
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return num_new
+
+    # -- after the model ran -------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Sequence]:
+        """Advance each scheduled sequence, append sampled tokens, finish what must stop.
+
+        Returns the sequences that got a new token, finished ones included. A sequence
+        preempted after this step was scheduled still gets its token (it is recomputed
+        with it); one that finished meanwhile (stop, abort) has it discarded.
+        """
+        flags = scheduler_output.sample_flags
+        sampled = runner_output.sampled_token_ids
+        assert len(sampled) == sum(flags), (len(sampled), sum(flags))
+        updated: list[Sequence] = []
+        k = 0  # index into the sampled rows
+        for seq, samples in zip(scheduler_output.seqs, flags):
+            k += samples
+            if seq.is_finished:
+                continue  # aborted or stopped while the step ran: its token is dropped
+            if samples:
+                seq.num_output_placeholders -= 1
+                seq.append_token(sampled[k - 1])  # (the engine records runner_output.logprobs itself)
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
+            if samples:
+                self._check_stop(seq)
+                updated.append(seq)
+        return updated
+
+    def _check_stop(self, seq: Sequence) -> None:
+        sp, token_id = seq.sampling_params, seq.last_token_id
+        if seq.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                self.finish_seq(seq, "stop")
+                return
+            if token_id in sp.stop_token_ids:
+                self.finish_seq(seq, "stop", stop_reason=token_id)
+                return
+        # min_tokens never outlasts the context: max_model_len always ends the sequence.
+        if (sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
+            self.finish_seq(seq, "length")
+
+
+def _chunk_limit(seq: Sequence, budget: int) -> int:
+    """Tokens `seq` may take this step: the budget, or fewer while it is owed prompt logprobs."""
+    return min(budget, MAX_PROMPT_LOGPROB_ROWS) if seq.num_missing_prompt_logprobs else budget

@@ -1,0 +1,101 @@
+"""Per-sequence state. No torch: the scheduler and block manager are tested in milliseconds.
+
+A request with n > 1 becomes n `Sequence`s that share the prompt; `index` says
+which completion each one is.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()   # queued, or preempted and waiting to be recomputed
+    RUNNING = enum.auto()   # holds KV blocks and is scheduled every step
+    FINISHED = enum.auto()  # done; finish_reason says why; its blocks are freed
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 index: int = 0, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.seq_id = next(_seq_counter)  # unique across the process; keys per-sequence sampler state
+        self.index = index                # which of the request's n completions this is
+        self.sampling_params = sampling_params
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt followed by output tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens whose K/V are in the cache or written by a step already scheduled: the
+        # scheduler moves it when it schedules, so the next step can be planned before this
+        # one's results are back (overlapped scheduling).
+        self.num_computed_tokens = 0
+        # Output tokens sampled by a launched step whose ids are not back on the host yet
+        # (0 or 1 at a scheduling point; always 0 without overlapped scheduling between steps).
+        self.num_output_placeholders = 0
+        self.num_cached_tokens = 0        # of those, how many came from the prefix cache at admission
+        self.block_table: list[int] = []  # KV block ids, in order
+        self.block_hashes: list[int] = [] # chained hashes of this sequence's full blocks (prefix caching)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        # With n > 1: the sibling whose prompt blocks this sequence shares once they are computed.
+        self.prefix_source: Sequence | None = None
+        # Filled by the sampler when logprobs are requested: one entry per output token.
+        self.output_logprobs: list = []
+        # Filled by the engine when prompt_logprobs are requested: one entry per prompt token from
+        # the second on (the first has no context). Kept across preemption: a recompute only adds
+        # the positions still missing.
+        self.prompt_logprobs: list = []
+        # Structured output: this sequence's grammar matcher (engine.core.structured_output), or None. Opaque here.
+        self.grammar = None
+
+    # -- token views -------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_missing_prompt_logprobs(self) -> int:
+        """Prompt logprob entries still to compute; only completion 0 computes them for its request."""
+        if self.sampling_params.prompt_logprobs is None or self.index != 0:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those sampled but still on the device: where the next step starts."""
+        return len(self.token_ids) + self.num_output_placeholders
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, idx={self.index}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,109 @@
+"""`LLM`: vLLM's offline, synchronous entry point."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """`LLM(model=..., **engine_knobs)`; `generate(prompts, sampling_params)` returns outputs in input order.
+
+    Lifecycle: `llm.shutdown()`, or `with LLM(...) as llm:`, stops the TP worker processes and
+    leaves the process group, so another engine (TP or not) can start in this process. An
+    engine that is simply dropped is shut down when it is garbage collected (best effort).
+    """
+
+    def __init__(self, model: str, **kwargs: Any):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = itertools.count()
+        self._closed = False
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop worker processes and release the process group; idempotent."""
+        self._closed = True
+        self.llm_engine.shutdown()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down; build a new one")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast_params(sampling_params, len(prompts))
+        engine = self.llm_engine
+        # Validate every prompt before adding any, so a bad one leaves nothing half-queued.
+        states = [engine.make_request(str(next(self._counter)), p, _final_only(sp))
+                  for p, sp in zip(prompts, params)]
+        for state in states:
+            engine.add_request_state(state)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(states), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                for state in states:  # leave the engine clean for the next call
+                    engine.abort_request(state.request_id)
+                raise
+        return [finished[s.request_id] for s in states]
+
+    def chat(self, messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the checkpoint's chat template (or `chat_template`), then generated as `generate`
+        does; one output per conversation, in order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations or not all(conversations):
+            raise ValueError("messages must be a non-empty conversation or a list of non-empty conversations")
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the model has no chat template; pass chat_template= or use generate()")
+        texts = tokenizer.apply_chat_template(conversations, chat_template=chat_template, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message)
+        # The template writes the special tokens itself (a BOS among them): encode without adding any,
+        # as the server's chat route does.
+        prompts = [{"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+                   for text in texts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _broadcast_params(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one or one per prompt")
+    return params
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    p = params.clone()
+    p.output_kind = RequestOutputKind.FINAL_ONLY
+    return p

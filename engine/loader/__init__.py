@@ -1,0 +1,1 @@
+"""Checkpoints into parameters: model paths (local, hub cache, GGUF), safetensors and GGUF weights."""

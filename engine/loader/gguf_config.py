@@ -1,0 +1,129 @@
+"""GGUF checkpoints (llama.cpp's one-file format) seen as a Hugging Face directory.
+
+`LLM(model="x.gguf")` and the Serve app's `model:` accept a .gguf file, or a directory
+holding exactly one, as vLLM does. Every consumer of a model path (the engine's config
+and tokenizer, the Ingress's tokenizer, the app's `check_model`) reads HF-format files,
+so rather than teach each of them GGUF, `resolve_model_path` hands them a small HF *view*
+of the file, built once from its metadata:
+
+    <cache>/<stem>-<key>/config.json               from the GGUF metadata (transformers)
+                         tokenizer.json, ...       from the GGUF metadata (transformers)
+                         model.gguf -> the file    the weights stay in the GGUF: the engine
+                                                   reads them from there (engine.loader.gguf_loader)
+
+Why a cached view and not the metadata read in place by each consumer: transformers needs
+seconds to turn a GGUF vocabulary into a tokenizer, and every engine replica, TP worker
+and Ingress would pay it at each start. The view is a few MB, costs that once per file
+(the key covers the file's path, size and mtime, so a replaced file gets a fresh view),
+and copies no weights. `RAYLLM_GGUF_CACHE` moves it (default ~/.cache/rayllm/gguf).
+
+Torch-free at import: the HTTP tier resolves model paths through this module.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_LINK = "model.gguf"
+# GGUF `general.architecture` -> the HF architecture our engine runs it as.
+# (llama.cpp writes Mistral checkpoints as "llama" too.)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Tensor types we dequantize (with gguf.quants.dequantize, llama.cpp's reference in numpy).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file `path` names: a .gguf file, or the only .gguf in a directory without config.json."""
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); "
+                         "pass the one to load as the model path")
+    return files[0] if files else None
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file behind an HF view made by `hf_view`, or None for an ordinary checkpoint."""
+    link = Path(model_dir) / GGUF_LINK
+    return link.resolve() if link.exists() else None
+
+
+def check_gguf(reader, name: str) -> str:
+    """Refuse what the engine cannot run, naming it; returns the GGUF architecture.
+    `reader` is a gguf.GGUFReader (typed loosely: this module must not import gguf at import)."""
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else "<missing>"
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{name}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    types = {t.tensor_type.name for t in reader.tensors}
+    unsupported = sorted(types - set(SUPPORTED_TENSOR_TYPES))
+    if unsupported:
+        raise ValueError(f"{name}: GGUF tensor type(s) {', '.join(unsupported)} are not supported "
+                         f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{name}: rope_freqs.weight (Llama-3.1-style RoPE scaling in GGUF) is not supported")
+    return arch
+
+
+def hf_view(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """The HF-format view of `gguf_path` (see the module docstring), built on first use.
+    Raises ValueError naming an unsupported architecture or tensor type."""
+    gguf_path = Path(gguf_path).resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    view = (cache_dir or _cache_root()) / f"{gguf_path.stem}-{key}"
+    if (view / "config.json").is_file():
+        return view
+    view.parent.mkdir(parents=True, exist_ok=True)
+    # Built aside and renamed into place: the Ingress and the engine replicas may start at the
+    # same moment, and a half-written view must never be visible.
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=view.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the view is as shareable as its cache
+    try:
+        _write_view(gguf_path, tmp)
+        try:
+            os.rename(tmp, view)
+        except OSError:
+            if not (view / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return view
+
+
+def _write_view(gguf_path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    # transformers imports torch when it is installed; only here, never at import.
+    from transformers import AutoConfig, AutoTokenizer
+
+    reader = GGUFReader(gguf_path)  # memory-mapped: reads the header and tensor index only
+    arch = check_gguf(reader, gguf_path.name)
+    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+    config = AutoConfig.from_pretrained(gguf_path.parent, **kw)
+    # transformers leaves `architectures` unset for GGUF, and tied embeddings show as a
+    # missing output.weight (llama.cpp then uses token_embd for the head).
+    config.architectures = [GGUF_ARCHITECTURES[arch]]
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+    # transformers ignores attention.key_length, so a head_dim other than the family's default
+    # (Qwen3's 128) would come out wrong.
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(out)
+    os.symlink(gguf_path, out / GGUF_LINK)
+
+
+def _cache_root() -> Path:
+    if os.environ.get("RAYLLM_GGUF_CACHE"):
+        return Path(os.environ["RAYLLM_GGUF_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rayllm" / "gguf"

@@ -1,0 +1,89 @@
+"""CUDA graphs for decode steps: one captured graph per padded batch size.
+
+A decode step (one new token per sequence) has shapes that depend only on the
+batch size, so it can be replayed from static buffers. Each step's inputs are
+copied into the first `n` rows of those buffers; rows n..bs are padding that
+writes nothing (slot -1) and attends to one cached token of block 0.
+
+    static buffers (max_bs rows)       captured graphs (share one memory pool)
+    input_ids/positions/slot_mapping   bs = 1, 2, 4, 8, 16, 32, ... max_num_seqs
+    seq_lens / block_tables            replay the smallest bs >= n, read hidden[:n]
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.worker.forward_context import AttentionMetadata, set_forward_context
+from engine.math_utils import cdiv
+from engine.core.messages import ModelInput
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class CUDAGraphRunner:
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.model = model
+        self.batch_sizes = capture_batch_sizes(max_num_seqs)
+        self.max_bs = self.batch_sizes[-1]
+        self.max_model_len = max_model_len
+        max_blocks = cdiv(max_model_len, block_size)
+        kw = dict(device=device)
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, **kw)       # [max_bs]
+        self.positions = torch.zeros(self.max_bs, dtype=torch.long, **kw)       # [max_bs]
+        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.long, **kw)  # [max_bs]
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, **kw)        # [max_bs]
+        self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, **kw)
+        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, **kw)  # one row per seq
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> hidden [bs, hidden_size], owned by the graph
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+                                 seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: later (smaller) graphs fit in the memory the first one reserved.
+        for bs in reversed(self.batch_sizes):
+            with set_forward_context(self._metadata(bs)):
+                self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up: compile kernels, no capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d)", len(self.graphs), self.max_bs)
+
+    def can_run(self, mi: ModelInput) -> bool:
+        return len(mi.query_lens) <= self.max_bs and all(q == 1 for q in mi.query_lens)
+
+    def run(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for this decode step; returns hidden [n, hidden_size] (a view: use before next run).
+
+        input_ids: [n] on the device (some rows may come from the previous step's sampled tokens)."""
+        n = len(mi.input_ids)
+        bs = next(b for b in self.batch_sizes if b >= n)
+        width = len(mi.block_tables[0])
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(torch.tensor(mi.positions, dtype=torch.long).pin_memory(), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.tensor(mi.slot_mapping, dtype=torch.long).pin_memory(), non_blocking=True)
+        self.seq_lens[:n].copy_(torch.tensor(mi.seq_lens, dtype=torch.int32).pin_memory(), non_blocking=True)
+        self.block_tables[:n, :width].copy_(
+            torch.tensor(mi.block_tables, dtype=torch.int32).pin_memory(), non_blocking=True)
+        if bs > n:  # padding rows: write nothing, attend to one harmless cached token
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+            self.block_tables[n:bs, 0].fill_(0)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
