@@ -48,3 +48,51 @@ def test_documented_commands_name_installed_modules():
             assert path.with_suffix(".py").is_file(), f"{where}: python -m {name}: no such module"
             package = name.rpartition(".")[0]
         assert package in shipped, f"{where}: {name} is outside the packages pip installs"
+
+
+def _doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_lists_every_doc_and_its_links_resolve():
+    """The README's layout lists every page under docs/, and every relative link in the README
+    and the docs points at a file that exists (a moved section must take its links along)."""
+    readme = (ROOT / "README.md").read_text()
+    unlisted = [p.name for p in (ROOT / "docs").glob("*.md") if f"docs/{p.name}" not in readme]
+    assert not unlisted, f"README.md's layout does not list: {unlisted}"
+    broken = []
+    for page in _doc_pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, f"links to missing files: {broken}"
+
+
+def test_readme_says_to_activate_the_venv():
+    """Commands outside make (`serve run`, `python -m serve_app.batch`, `python -m loadtest`) run
+    in .venv/; a new user who is not told so gets `command not found` or `No module named`."""
+    assert "source .venv/bin/activate" in (ROOT / "README.md").read_text()
+
+
+def test_documented_make_targets_and_serve_targets_exist():
+    """`make X` named in the docs is a Makefile target; `serve run` names a config file that
+    exists or a `module:function` that the module defines."""
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    for page in _doc_pages():
+        text = page.read_text()
+        for target in re.findall(r"`make ([a-z][\w-]*)", text):
+            assert target in targets, f"{page.name}: `make {target}` is not a Makefile target"
+        for arg in re.findall(r"serve run ([\w./:-]+)", text):
+            if arg.endswith((".yaml", ".yml")):
+                if arg.startswith("deploy/"):
+                    assert (ROOT / arg).is_file(), f"{page.name}: serve run {arg}: no such file"
+                continue
+            module, _, attr = arg.partition(":")
+            if not attr:
+                continue
+            source = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+            assert source.is_file(), f"{page.name}: serve run {arg}: no module {module}"
+            assert re.search(rf"^(def {attr}\b|{attr}\s*=)", source.read_text(), re.M), (
+                f"{page.name}: serve run {arg}: {module} defines no {attr}")
