@@ -17,10 +17,18 @@ class SchedulerOutput:
     Tokens are laid out flat in `seqs` order: sequence i computes positions
     `num_computed_tokens[i] : num_computed_tokens[i] + num_scheduled_tokens[i]`
     (a decode schedules 1, a prefill chunk several; prefill and decode mix).
-    The per-sequence lists are fixed by `schedule()`; later stages read them and
-    never recompute them from live `Sequence` state, which the scheduler has
-    already moved on (and, with overlapped scheduling, may move again before
-    this step's results are processed).
+    The per-sequence lists are fixed by `schedule()`, which then moves each
+    sequence's `num_computed_tokens` (and placeholders) past the step; later stages
+    take those from here, never from the `Sequence` (with overlapped scheduling it
+    may move again before this step's results are processed).
+
+    `ModelRunner.prepare_inputs` does read the rest live (`token_ids[start:end]`,
+    `num_tokens`, `block_table`, `sampling_params`, prompt-logprob progress): it runs
+    right after `schedule()` in the same thread (`LLMEngine.step`), before any
+    `update_from_output`, so those reads see what `schedule()` left. `sample()` may
+    run after the previous step was processed, and reads output tokens then on
+    purpose (penalties, min_tokens). docs/architecture.md, "What the model runner
+    reads live".
     """
 
     seqs: list[Sequence]               # scheduled sequences, in flat-token order
