@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 DEMO_MODEL := models/smollm2-135m-instruct
 DEMO_GGUF := $(DEMO_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
 # Ray Serve's high-throughput mode: HAProxy in place of the Python proxy, direct ingress, gRPC
-# between replicas (README "Serving", docs/benchmarks.md), and Serve's controller reconciling
+# between replicas (docs/serving.md, "The streaming path"), and Serve's controller reconciling
 # every 0.5 s instead of 0.1 s (less CPU taken from the engine). `make serve SERVE_ENV=` turns both off.
 SERVE_ENV ?= RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5
 # Random weights, for tests and benchmarks of the machinery.

@@ -18,7 +18,7 @@ from kernels._validate import check_paged_attention, check_store_kv
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"
 
 # Reused gather buffers, CPU only: a fresh multi-MB tensor per call costs a
-# page fault per 4 KiB (about 3x the copy itself, measured); CUDA's caching
+# page fault per 4 KiB, more than the copy itself (docs/benchmarks.md); CUDA's caching
 # allocator already recycles memory. A caller pops a buffer while it uses it
 # and puts it back after, so concurrent callers (dict ops are atomic under the
 # GIL) never share one: the loser just allocates.

@@ -15,9 +15,9 @@ The same prompts (random words, greedy, a fixed max_tokens) two ways, on the ~22
             load is): what running the engine in a Ray actor costs, apart from Ray Data and start-up
 Figures: rows/s and generated tokens/s; the ratio batch / peer (the issue's target: >= 0.85 with
 one actor). --rounds N runs the pair N times, the first of each pair alternating, and prints the
-medians of the rounds' ratios (the CPU box's speed drifts by tens of percent over minutes: a
-ratio of two runs far apart carries it whole). The outputs are compared row by row (greedy:
-they must be equal). On CUDA the batch job runs first, so that its actor's process has the GPU
+medians of the rounds' ratios (a shared machine's speed drifts over minutes: a ratio of two
+runs far apart carries it whole; docs/benchmarks.md, "How we measure"). The outputs are
+compared row by row (greedy: they must be equal). On CUDA the batch job runs first, so that its actor's process has the GPU
 to itself and gives it back before the peer loads; there the count of equal rows is reported,
 not required: bf16 matrix products differ with the batch's size, and the two paths batch the
 rows differently.

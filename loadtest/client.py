@@ -2,9 +2,9 @@
 
 Raw SSE over aiohttp rather than the openai client: the timestamps are taken
 the moment each `data:` line arrives, with no client-side parsing in between.
-aiohttp, not httpx: on the 2-core CPU box the load generator shares the cores with
-the server it measures, and httpx's line reader cost 2-3x more CPU per request and
-per streamed chunk (docs/benchmarks.md, "the load generator's own CPU").
+aiohttp, not httpx: the load generator may share the cores with the server it
+measures, and httpx's line reader costs more CPU per request and per streamed chunk
+(docs/benchmarks.md, fifth session, "The load generator on aiohttp").
 """
 from __future__ import annotations
 

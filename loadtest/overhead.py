@@ -17,7 +17,7 @@
 Each of 2 and 3 also runs at concurrency 1 for TTFT, on both timed to the first output
 with text (what a client can show; the HTTP client cannot see tokens without text).
 --rounds N runs the paths N times in turn; a ratio is taken against the offline run of its
-own round (the 2-core box drifts by 10-20% over minutes) and the medians over rounds are printed.
+own round (a shared machine drifts over minutes) and the medians over rounds are printed.
 --paired N is the way to a figure on a noisy box: N rounds of the three paths on one app,
 seconds apart, in rotating order, the app's processes stopped (SIGSTOP) while the in-process
 paths run (loadtest/overhead_paired.py). Printed last: output tok/s per path

@@ -1,8 +1,8 @@
 """loadtest.overhead --paired N: offline, AsyncLLM and the served app in alternation, round by round.
 
-Why: the CPU box's speed drifts by up to 40% within seconds (a fixed matmul loop, nothing else
-running, took 2.8-4.3 s a repeat, CPU time tracking wall time: the host, not this box's
-processes). A ratio of two paths timed minutes apart carries that drift whole. Here every
+Why: a shared machine's speed can drift within seconds, from the host rather than its own
+processes (docs/benchmarks.md, ninth session, "Why paired rounds"). A ratio of two paths timed
+minutes apart carries that drift whole. Here every
 path runs once a round, each round on fresh prompts, the paths' order rotating from round to
 round, all on one served app and one offline and one in-process engine, so each round's
 ratios compare runs seconds apart, and the median over rounds is the figure.

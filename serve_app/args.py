@@ -25,7 +25,7 @@ STREAM_INTERVAL_MS = 20.0
 MAX_STREAM_INTERVAL_MS = 1000.0
 # Streamed items per second per engine replica (all its streams together) when
 # max_stream_messages_per_s is not set. Every item costs CPU in each process it crosses (engine
-# replica, Ingress, proxy, client: ~1 ms in all on the CPU box, docs/benchmarks.md). On a CPU
+# replica, Ingress, proxy, client: per process in docs/benchmarks.md, "Serving overhead"). On a CPU
 # node those processes share the cores with the engine, so the budget is small; on a GPU node
 # they have cores of their own and one Ingress replica handles a few thousand items a second.
 DEFAULT_STREAM_MESSAGES_PER_S = {"cpu": 200.0, "cuda": 2000.0}
@@ -141,19 +141,20 @@ class AppArgs(_DeclaredElsewhere):
     retry_after_s: int = Field(1, ge=0)
     engine_num_cpus: float = Field(1.0, ge=0.0)
     # torch threads of a CPU engine replica (split over its TP ranks). Ray sets OMP_NUM_THREADS
-    # to the actor's num_cpus (1), which made the served engine single-threaded: 0.46 of the
-    # engine's offline speed (docs/benchmarks.md). None: every core the replica may run on.
+    # to the actor's num_cpus (1), which would make the served engine single-threaded
+    # (docs/benchmarks.md, "engine offline vs AsyncLLM vs the served app"). None: every core the
+    # replica may run on.
     engine_cpu_threads: int | None = Field(None, ge=1)
     # The engine's step loop in a process of its own (engine/entrypoints/core_client.py), out of the replica's
-    # GIL, which Ray's request machinery shares: in-process the step thread waited for it ~15% of
-    # the time on the CPU box (docs/benchmarks.md). False: a thread of the replica, as before.
+    # GIL, which Ray's request machinery shares and the step thread otherwise waits for
+    # (docs/benchmarks.md, "the engine's step loop in its own process"). False: a thread of the replica.
     engine_process: bool = True
     # The Ingress in every engine replica's process, calling its engine directly, instead of
     # its own deployment reaching the engine replicas over a gRPC stream per request
     # (serve_app/http/ingress.py). The Ingress then scales with the engine (min/max_replicas) and
-    # runs the JSON guardrails itself. On the 2-core CPU box it served 0.87 of the engine's
-    # offline speed (median of 32 paired rounds) against 0.80 for the three deployments (24);
-    # not measured on a GPU yet (docs/benchmarks.md). Off by default: see README.
+    # runs the JSON guardrails itself: no Ray hop per stream, for nodes whose CPUs are scarce;
+    # not measured on a GPU yet (docs/benchmarks.md, today's figures). Off by default:
+    # docs/serving.md, "One deployment instead of three".
     colocate_ingress: bool = False
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.replica.routing);
     # "power_of_two": Serve's default, a choice per request.

@@ -215,7 +215,8 @@ class RequestRecorder:
         self._json_mode = json_mode
         self._done = False
         # hop -> [messages, tokens], added to the counters once, when the request ends: a Ray
-        # metric call per streamed message cost the Ingress ~0.1 ms per token (loadtest.overhead).
+        # metric call per streamed message raised the Ingress's CPU per token (docs/benchmarks.md,
+        # "Serving overhead re-measured after issues 9/11/12/13 landed").
         self._streamed: dict[str, list[int]] = {}
 
     def guardrail_outcomes(self, outcomes: list[tuple[str, str]]) -> None:
