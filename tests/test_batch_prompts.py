@@ -1,4 +1,6 @@
 """serve_app.batch.prompts and .config: rows to prompts, without Ray."""
+import copy
+
 import pytest
 
 from serve_app.batch.config import BatchConfig, row_seed
@@ -39,6 +41,23 @@ def test_prompts_tokenize_as_the_engine_does(tiny_qwen2):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat[0]["prompt"] == text
     assert tokenize_prompts(config, tok, chat) == [tok.encode(text, add_special_tokens=False)]
+
+
+def test_rows_the_chat_template_refuses_or_that_tokenize_to_nothing_are_named(tiny_qwen2):
+    tok = load_tokenizer(tiny_qwen2)
+    config = BatchConfig(model=tiny_qwen2, chat=True)
+    with pytest.raises(ValueError, match="row id=1: the chat template cannot render it: no bad words"):
+        build_prompts(config, _picky(tok), [{"id": 0, "prompt": "fine"}, {"id": 1, "prompt": "bad"}])
+    with pytest.raises(ValueError, match="row id=2: The prompt is empty"):
+        tokenize_prompts(config, tok, [{"id": 2, "prompt": ""}])
+
+
+def _picky(tok):
+    """A copy of `tok` whose chat template refuses the prompt 'bad', as templates refuse what they cannot render."""
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{% if messages[0]['content'] == 'bad' %}{{ raise_exception('no bad words') }}{% endif %}"
+                         "{{ messages[0]['content'] }}")
+    return tok
 
 
 def test_config_refuses_bad_values(tiny_llama):

@@ -324,3 +324,15 @@ def test_chat_refuses_empty_conversations_and_missing_templates(tiny_qwen2):
     llm.get_tokenizer().chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat(CHAT, use_tqdm=False)
+
+
+def test_chat_template_override_and_its_refusals(tiny_qwen2):
+    llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
+    picky = ("{% if messages[0]['content'] == 'bad' %}{{ raise_exception('no bad words') }}{% endif %}"
+             "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    [out] = llm.chat(CHAT, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=picky)
+    assert out.prompt == "Be brief.Hello there"
+    # a conversation the template refuses: a ValueError naming it, and nothing generated
+    with pytest.raises(ValueError, match=r"messages\[1\]: the chat template cannot render it: no bad words"):
+        llm.chat([CHAT, [{"role": "user", "content": "bad"}]], use_tqdm=False, chat_template=picky)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -1,4 +1,6 @@
 """Batched chat templating + tokenization (no Ray): same token ids as one-by-one, and per-job 400s."""
+import copy
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -42,3 +44,17 @@ def test_errors_are_per_job(tokenizer):
 def test_prompt_alone_too_long(tokenizer):
     (err,) = prepare_batch(tokenizer, [PrepJob(max_tokens=None, prompts=[list(range(64))])], LIMITS)
     assert isinstance(err, OpenAIError) and err.param == "prompt"
+
+
+def test_a_chat_the_template_refuses_is_that_requests_400(tokenizer):
+    picky = copy.deepcopy(tokenizer)
+    picky.chat_template = ("{% if messages[0]['content'] == 'bad' %}{{ raise_exception('no bad words') }}{% endif %}"
+                           "{{ messages[0]['content'] }}")
+    jobs = [PrepJob(max_tokens=4, messages=[{"role": "user", "content": c}]) for c in ("fine", "bad")]
+    fine, bad = prepare_batch(picky, jobs, LIMITS)
+    assert fine.prompt_token_ids == [picky.encode("fine", add_special_tokens=False)]  # the template wrote no BOS
+    assert isinstance(bad, OpenAIError) and (bad.status_code, bad.param) == (400, "messages")
+    assert bad.message == "The chat template cannot render these messages: no bad words"
+    picky.chat_template = None
+    (none,) = prepare_batch(picky, jobs[:1], LIMITS)
+    assert none.message.endswith("the model has no chat template; use /v1/completions")

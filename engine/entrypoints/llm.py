@@ -8,6 +8,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine, PromptType
+from engine.entrypoints.prompts import encode, has_chat_template, render_chats
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -74,20 +76,29 @@ class LLM:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the checkpoint's chat template (or `chat_template`), then generated as `generate`
         does; one output per conversation, in order."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if not conversations or not all(conversations):
-            raise ValueError("messages must be a non-empty conversation or a list of non-empty conversations")
+        conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
-        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        if not has_chat_template(tokenizer, chat_template):
             raise ValueError("the model has no chat template; pass chat_template= or use generate()")
-        texts = tokenizer.apply_chat_template(conversations, chat_template=chat_template, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message)
-        # The template writes the special tokens itself (a BOS among them): encode without adding any,
-        # as the server's chat route does.
-        prompts = [{"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-                   for text in texts]
+        texts = render_chats(tokenizer, conversations, add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, chat_template=chat_template)
+        for i, text in enumerate(texts):
+            if isinstance(text, InvalidRequestError):
+                raise InvalidRequestError(f"messages[{i}]: the chat template cannot render it: {text}",
+                                          param="messages") from text.__cause__
+        # The special-token rule (engine/entrypoints/prompts.py): the template wrote the special
+        # tokens (a BOS among them), so none are added; the server's chat route does the same.
+        token_ids = encode(tokenizer, texts, chat=True)
+        prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in zip(texts, token_ids)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_conversations(messages) -> list[list[dict[str, Any]]]:
+    """One conversation, or a list of them, as a list; an empty one is refused."""
+    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    if not conversations or not all(conversations):
+        raise ValueError("messages must be a non-empty conversation or a list of non-empty conversations")
+    return conversations
 
 
 def _broadcast_params(sampling_params, n: int) -> list[SamplingParams]:

@@ -9,6 +9,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
+from engine.entrypoints.prompts import has_chat_template
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, check_columns, load_tokenizer, render_prompt
 from serve_app.batch.stages import RowFn, ids_from_column
@@ -162,7 +163,7 @@ def _check_up_front(config: BatchConfig, columns: list[str], preprocess: RowFn |
     """What needs no row: the columns the prompts are built from, the model's chat template."""
     if preprocess is None:
         check_columns(config, columns, source)
-    if config.chat and getattr(load_tokenizer(config.model), "chat_template", None) is None:
+    if config.chat and not has_chat_template(load_tokenizer(config.model)):
         raise ValueError(f"--chat: the model {config.model} has no chat template")
 
 

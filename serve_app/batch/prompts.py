@@ -1,5 +1,7 @@
 """Rows to prompts: render the template (or take the prompt column), apply the chat template
 (CPU stages); tokenize (the engine stage). Pure functions of (config, tokenizer, rows): tested without Ray.
+The chat template, the special-token rule and the checks are engine.entrypoints.prompts', as for
+engine.LLM.chat and the server.
 
 Every problem with a row raises `ValueError` naming the row's id and what is wrong with it, so
 a job can check all of its input before any engine starts.
@@ -13,6 +15,9 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.entrypoints.prompts import check_not_empty, encode, has_chat_template, render_chats
+from engine.entrypoints.prompts import load_tokenizer as _load_tokenizer
+from engine.errors import InvalidRequestError
 from serve_app.batch.config import BatchConfig
 
 ID = "id"  # the output's id column, whatever the input's id column is called
@@ -69,36 +74,41 @@ def render_prompt(config: BatchConfig, row: dict[str, Any]) -> str:
     return prompt
 
 
-def to_chat(tokenizer, prompts: list[str]) -> list[str]:
-    """Each prompt as one user message, rendered with the model's chat template."""
-    if getattr(tokenizer, "chat_template", None) is None:
+def to_chat(tokenizer, prompts: list[str], row_ids: list[Any]) -> list[str]:
+    """Each prompt as one user message, rendered with the model's chat template; a row the
+    template refuses raises, naming it."""
+    if not has_chat_template(tokenizer):
         raise ValueError("--chat: the model has no chat template")
     conversations = [[{"role": "user", "content": p}] for p in prompts]
-    out = tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
-    return [out] if isinstance(out, str) else list(out)
+    texts = render_chats(tokenizer, conversations, add_generation_prompt=True)
+    for row_id, text in zip(row_ids, texts):
+        if isinstance(text, InvalidRequestError):
+            raise ValueError(f"row id={row_id!r}: the chat template cannot render it: {text}")
+    return texts
 
 
 def build_prompts(config: BatchConfig, tokenizer, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with `prompt` (the text the model sees) added. The tokenizer is needed for config.chat
     only (its chat template); the engine stage tokenizes (tokenize_prompts), so that the CPU
-    stages' workers need not import transformers, which imports torch (5 s of CPU per worker
-    process on the 2-core box, more than tokenizing 1024 prompts takes: 0.15 s)."""
+    stages' workers need not import transformers, which imports torch: that costs a worker more
+    than tokenizing its batch does (docs/benchmarks.md)."""
     texts = [render_prompt(config, row) for row in rows]
     if config.chat:
-        texts = to_chat(tokenizer, texts)
+        texts = to_chat(tokenizer, texts, [row.get(ID) for row in rows])
     return [{**_keep_inputs(row, text), "prompt": text} for row, text in zip(rows, texts)]
 
 
 def tokenize_prompts(config: BatchConfig, tokenizer, rows: list[dict[str, Any]]) -> list[list[int]]:
-    """Each row's `prompt` as token ids, in one call per batch, as engine.LLM tokenizes: a
-    chat-rendered prompt holds its special tokens already, so it is encoded without adding any
-    (as engine.LLM.chat does); a plain prompt gets them, as engine.LLM.generate(str) does."""
-    texts = [row["prompt"] for row in rows]
-    ids = tokenizer(texts, add_special_tokens=not config.chat)["input_ids"] if texts else []
+    """Each row's `prompt` as token ids, in one call per batch, by the special-token rule that
+    engine.LLM uses: a chat-rendered prompt without adding special tokens (the template wrote
+    them), a plain one with them. An empty one raises, naming its row."""
+    ids = encode(tokenizer, [row["prompt"] for row in rows], chat=config.chat)
     for row, token_ids in zip(rows, ids):
-        if not token_ids:
-            raise ValueError(f"row id={row.get(ID)!r}: the prompt is empty (0 tokens)")
-    return [list(token_ids) for token_ids in ids]
+        try:
+            check_not_empty(token_ids)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"row id={row.get(ID)!r}: {e}", e.param, e.code) from None
+    return ids
 
 
 def _keep_inputs(row: dict[str, Any], prompt: str) -> dict[str, Any]:
@@ -110,10 +120,5 @@ def _keep_inputs(row: dict[str, Any], prompt: str) -> dict[str, Any]:
     return {(f"input_{k}" if k in clashes else k): v for k, v in row.items()}
 
 
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model: str):
-    """One tokenizer per worker process and model (Ray reuses worker processes across tasks)."""
-    from transformers import AutoTokenizer
-
-    from engine.loader.model_path import resolve_model_path
-    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+# One tokenizer per worker process and model: Ray reuses worker processes across tasks.
+load_tokenizer = functools.lru_cache(maxsize=4)(_load_tokenizer)

@@ -8,8 +8,9 @@
 
 Rows carry `id`, then `prompt` after preprocess; generation adds `text`, `num_prompt_tokens`,
 `num_generated_tokens` and `finish_reason`. The engine tokenizes a plain prompt itself, as
-`engine.LLM.generate(str)` does; a chat-templated one is tokenized in the engine actor, without
-adding special tokens (the template wrote them), as `engine.LLM.chat` does.
+`engine.LLM.generate(str)` does; a chat-templated one is tokenized in the engine actor by the
+special-token rule of engine/entrypoints/prompts.py (none added: the template wrote them), as
+`engine.LLM.chat` does.
 """
 from __future__ import annotations
 
@@ -208,9 +209,8 @@ class EngineClient:
     The engine actors are plain Ray actors that the processor starts, so that a job can start them
     (torch import, model load: seconds) while it reads and checks its input: the actors of Ray
     Data's own pool start only when the pipeline runs, after the checks. This UDF holds no engine
-    and imports nothing heavy, so its actor starts in a fraction of a second. (Ray Data tasks that
-    wait on the engine actors instead were slower on 2 cores: each waiting task holds a worker
-    process, and Ray started three more for the CPU stages.)
+    and imports nothing heavy, so its actor starts in a fraction of a second. (Not Ray Data tasks
+    that wait on the engine actors: each holds a worker process; docs/benchmarks.md.)
     """
 
     def __init__(self, engines: list):
