@@ -3,7 +3,7 @@
     python -m serve_app.batch --model DIR --input docs.jsonl --output out/ --template t.j2
 
 or from Python: `build_processor(BatchConfig(...))(dataset)`, `run_job(config, input, output)`.
-README "Batch jobs" has the walk-through.
+docs/batch.md has the walk-through.
 """
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.inputs import read_input, with_position_ids
