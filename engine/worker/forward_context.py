@@ -1,4 +1,4 @@
-"""The one place per-step attention metadata lives during a forward.
+"""The one place per-step attention metadata lives during a forward, and how a step's host lists reach the device.
 
 Model code sees only `(input_ids, positions)`; each `Attention` layer reads the
 metadata from here. It is set around the forward and restored in `finally`, so
@@ -60,3 +60,12 @@ def set_forward_context(attn_metadata: AttentionMetadata | None):
         yield _forward_context
     finally:
         _forward_context = prev
+
+
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor: the one way a step's inputs (the runner's, the sampler's) reach the device.
+    On CUDA, via pinned memory and non_blocking: the copy overlaps, nothing syncs."""
+    host = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.executor.parallel_state import get_tp_size
-from engine.worker.forward_context import AttentionMetadata, set_forward_context
+from engine.worker.forward_context import AttentionMetadata, set_forward_context, to_device
 from engine.loader.gguf_config import gguf_source
 from engine.worker.kv_cache import allocate_kv_tensor
 from engine.layers.attention import Attention
@@ -25,7 +25,7 @@ from engine.loader.weights import load_weights
 from engine.math_utils import cdiv
 from engine.models import get_model_class
 from engine.core.messages import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from engine.worker.sampler import SampledTokens, Sampler, compute_prompt_logprobs, to_device
+from engine.worker.sampler import SampledTokens, Sampler, compute_prompt_logprobs
 from engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)

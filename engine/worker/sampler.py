@@ -19,6 +19,7 @@ import torch
 
 from engine.core.messages import SampleLogprobs
 from engine.core.sequence import Sequence
+from engine.worker.forward_context import to_device
 
 _U64 = (1 << 64) - 1  # torch generators take an unsigned 64-bit seed
 
@@ -274,15 +275,6 @@ def _count_tokens(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def _pad(ids: list[int], length: int, pad_id: int) -> list[int]:
     return ids + [pad_id] * (length - len(ids))
-
-
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor (the engine's one such helper; the model runner uses it too).
-    On CUDA, via pinned memory and non_blocking: the copy overlaps, nothing syncs."""
-    host = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], ks: list[int]) -> list[SampleLogprobs]:
