@@ -3,8 +3,9 @@
     Ingress (FastAPI, @serve.batch) --+--------------------------------> EngineDeployment (autoscaled)
                                       +--> Guardrails (JSON requests) --^
 
-    colocate_ingress (serve_app/http/ingress.py): one deployment, each replica an Ingress that runs
-    its own engine (engine process + JSON guard in its process), autoscaled as the engine was.
+    colocate_ingress: one deployment, each replica an Ingress that runs its own engine (engine
+    process + JSON guard in its process), autoscaled as the engine was. The Ingress is handed a
+    LocalEngineFactory (serve_app/replica/client.py) in place of the two handles.
 
     serve run deploy/config.yaml
     serve run serve_app.app:build_app model=models/tiny-llama device=cpu dtype=float32
@@ -17,9 +18,10 @@ from typing import Any
 from ray import serve
 
 from serve_app.args import AppArgs, resolve_app_args
-from serve_app.replica.engine_deployment import EngineDeployment
 from serve_app.guard.guardrails import Guardrails
 from serve_app.http.ingress import Ingress
+from serve_app.replica.client import LocalEngineFactory
+from serve_app.replica.engine_deployment import EngineDeployment
 from serve_app.replica.placement import engine_placement, resolve_device
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -28,11 +30,12 @@ BATCH_AFFINITY_ROUTER = "serve_app.replica.routing.BatchAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Validate `args` (a bad one raises ValueError naming it) and bind the three deployments."""
+    """Validate `args` (a bad one raises ValueError naming it) and bind the deployments: three, or
+    with colocate_ingress one Ingress that starts its engine itself."""
     a = resolve_app_args(args)
     device = resolve_device(a.device)
     if a.colocate_ingress:
-        return Ingress.options(**colocated_options(a, device)).bind(None, None, a, device)
+        return Ingress.options(**colocated_options(a, device)).bind(None, None, a, LocalEngineFactory(a, device))
     engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)
     guardrails = Guardrails.options(
         num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,

@@ -12,11 +12,12 @@ import pytest
 from ray import serve
 from starlette.requests import ClientDisconnect
 
-from serve_app.args import AppArgs
+from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.ingress import Ingress
 from serve_app.http.ingress import app as ingress_app
 from serve_app.http.messages import Delta, StreamItem
 from serve_app.metrics import IngressMetrics
+from serve_app.replica.client import LocalEngine
 from tests.fake_metrics import Recorder
 
 # Serve's ingress wrapper has an async __del__: collecting one outside a replica warns about it.
@@ -71,11 +72,11 @@ class FakeEngine:
 def start_ingress(monkeypatch, tiny_llama):
     """An Ingress as a Serve replica makes it: the wrapped class's async __init__; its routes find it
     through the replica context."""
-    async def start(engine: FakeEngine, **args):
+    async def start(engine: FakeEngine | None, local_engine=None, **args):
         cls = Ingress.func_or_class
         ingress = cls.__new__(cls)
         await ingress.__init__(engine, None, AppArgs(model=tiny_llama, served_model_name=MODEL, max_batch_size=1,
-                                                     **args))
+                                                     **args), local_engine)
         ingress.recorder = Recorder()  # in place of Ray's metrics (no Ray here)
         ingress.metrics = IngressMetrics("rayllm", MODEL, factory=ingress.recorder)
         ingress_app.state.metrics = ingress.metrics
@@ -178,3 +179,58 @@ def test_a_separate_ingress_refuses_the_engines_streaming_knobs(start_ingress):
         return ingress
 
     assert asyncio.run(run()).batching.max_batch_size == 4
+
+
+class FakeReplica:
+    """The slice of an engine replica (EngineReplica) that a LocalEngine calls, in this process."""
+
+    def __init__(self):
+        self.streaming = StreamingConfig()
+        self.healthy = True
+
+    async def generate(self, request):
+        yield StreamItem(deltas=[Delta(0, "Hi", [5], finish_reason="length")], num_prompt_tokens=3, finished=True)
+
+    async def model_info(self):
+        return {"max_model_len": 2048, "vocab_size": 10**6}
+
+    def reconfigure(self, config):
+        self.streaming = StreamingConfig.model_validate(config)
+
+    async def get_stats(self):
+        return {"streaming": self.streaming.model_dump()}
+
+    async def check_health(self):
+        if not self.healthy:
+            raise RuntimeError("the step loop died")
+
+
+def test_a_colocated_ingress_runs_the_engine_it_is_handed(start_ingress):
+    """With colocate_ingress, build_app hands the Ingress a factory (LocalEngineFactory), called once
+    here; the engine client it returns takes its own knobs out of the Ingress's user_config."""
+    replica = FakeReplica()
+
+    def local_engine():  # what LocalEngineFactory returns, around a fake replica
+        engine = LocalEngine(replica)
+        return engine, engine
+
+    async def run():
+        ingress = await start_ingress(None, local_engine=local_engine)
+        answer = await _post(ingress, {"stream": False})
+        ingress.reconfigure({"max_batch_size": 4, "stream_interval_ms": 5})
+        stats = await ingress.get_stats()
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            ingress.reconfigure({"max_batch_size": 4, "stream_interval_ms": -1})
+        with pytest.raises(ValueError, match="max_batch_size"):
+            ingress.reconfigure({"max_batch_size": 0})
+        with pytest.raises(ValueError, match="unknown arg 'nope'"):
+            ingress.reconfigure({"nope": 1})
+        replica.healthy = False
+        with pytest.raises(RuntimeError, match="step loop"):  # Serve replaces the replica
+            await ingress.check_health()
+        return ingress, answer, stats
+
+    ingress, answer, stats = asyncio.run(run())
+    assert answer[0]["status"] == 200 and json.loads(answer[1]["body"])["choices"][0]["text"] == "Hi"
+    assert stats["streaming"]["stream_interval_ms"] == 5.0
+    assert ingress.batching.max_batch_size == 4  # the refused configs changed nothing of the Ingress's

@@ -12,14 +12,15 @@ whether or not the request went through a batch, and a slow reader never holds u
 the others. A request cancelled while waiting in the batch queue is dropped from the
 batch by Serve before it reaches the engine at all.
 
-Where the engine is (`colocate_ingress`): by default the Ingress reaches the engine replicas
-through a handle, one gRPC stream per engine request, and scales apart from them. With
-`colocate_ingress` every engine replica is an Ingress replica too: this class holds the
-engine replica's object in its own process and iterates its streams directly, and JSON
-requests go through a JsonGuard here instead of the Guardrails deployment. On the 2-core CPU
-box that removes a process and a hop per stream from the engine's cores (docs/benchmarks.md);
-on a GPU host the separate shape keeps the HTTP work and the engine's front in two processes
-(two GILs).
+Where the engine is (`colocate_ingress`) is build_app's choice, made once: by default the
+Ingress gets the engine replicas' and Guardrails' handles (one gRPC stream per engine request)
+and scales apart from them. With `colocate_ingress` it gets a LocalEngineFactory instead and
+calls it once here: every engine replica is an Ingress replica too, whose streams are iterated
+directly, and JSON requests go through a JsonGuard here instead of the Guardrails deployment.
+Either way the Ingress talks to one client interface (serve_app/replica/client.py). On a CPU box
+the colocated shape takes a process and a hop per stream off the engine's cores; on a GPU host
+the separate shape keeps the HTTP work and the engine's front in two processes (two GILs):
+docs/benchmarks.md.
 """
 
 import asyncio
@@ -37,10 +38,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.detokenizer import decode_token
-from engine.loader.model_path import resolve_model_path
+from engine.entrypoints.prompts import load_tokenizer
 from engine.sampling_params import SamplingParams
-from serve_app.args import AppArgs, BatchingConfig, StreamingConfig, describe_validation_error
-from serve_app.replica.client import LocalEngine, RemoteEngine, merge_streams
+from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
+from serve_app.replica.client import LocalEngineFactory, RemoteEngine, merge_streams
 from serve_app.http.errors import (OpenAIError, from_validation_error, from_value_error, model_not_found,
                               overloaded)
 from serve_app.http.http_util import check_api_key, error_response, install_error_handlers, read_body
@@ -61,28 +62,9 @@ _INLINE_PREP_CHARS = 16_384  # below this much text a batch is tokenized on the 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-# (Defined before the class: Serve serializes the deployment class when it is decorated.)
-def _load_tokenizer(model: str):
-    """The engine's tokenizer class (AutoTokenizer), so the prompt ids we send are the ones it would make."""
-    # Imported here, not at the top: transformers' AutoTokenizer imports torch whenever torch is
-    # installed (transformers 5: configuration_utils -> modeling_rope_utils). So importing this
-    # module stays torch-free, and where torch is not installed (an HTTP-tier image) transformers
-    # runs tokenizers-only; where it is installed, the replica loads it here, not at import.
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(model))
-
-
-def _colocated_engine(args: AppArgs, device: str | None):
-    """The engine replica's object, in this process, and the two ways in: plain and JSON-guarded."""
-    # Imported here: the separate Ingress never loads the engine (torch).
-    from serve_app.replica.engine_deployment import EngineReplica
-    from serve_app.guard.policy import GuardrailPolicy
-    from serve_app.guard.guardrails import GuardedEngine, JsonGuard
-
-    replica = EngineReplica(args, device)
-    engine = LocalEngine(replica)
-    return replica, engine, GuardedEngine(JsonGuard(GuardrailPolicy.from_args(args.guardrails)), engine)
+# The engine's tokenizer class (AutoTokenizer), so the prompt ids we send are the ones it would make;
+# transformers is imported when it is called, not here: importing this module stays torch-free.
+_load_tokenizer = load_tokenizer
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
@@ -131,16 +113,14 @@ class _SSEResponse(StreamingResponse):
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine: DeploymentHandle | None, guardrails: DeploymentHandle | None, args: AppArgs,
-                 device: str | None = None):
-        """engine and guardrails: the deployments' handles; both None with `colocate_ingress`, where
-        this replica runs the engine (on `device`) itself."""
+                 local_engine: LocalEngineFactory | None = None):
+        """engine and guardrails: the deployments' handles; or, with `colocate_ingress`, both None and
+        `local_engine`, which starts this replica's own engine (build_app picks the shape)."""
         self.args = args
-        self.engine_replica = None  # the engine in this process (colocate_ingress)
-        if engine is None:
-            self.engine_replica, self.engine, self.json_engine = _colocated_engine(args, device)
+        if local_engine is not None:
+            self.engine, self.json_engine = local_engine()
         else:
-            self.engine = RemoteEngine(engine)
-            self.json_engine = RemoteEngine(guardrails)
+            self.engine, self.json_engine = RemoteEngine(engine), RemoteEngine(guardrails)
         self.tokenizer = _load_tokenizer(args.tokenizer or args.model)
         self.metrics = IngressMetrics(args.metrics_prefix, args.model_name)
         # GET /metrics: every replica's series (and Serve's own), as Ray exports them (cluster_metrics.py)
@@ -152,17 +132,13 @@ class Ingress:
         self._num_pending = 0
 
     def reconfigure(self, config: dict[str, Any]) -> None:
-        """user_config: micro-batching knobs and admission limit, changed without a restart; with
-        `colocate_ingress` also the engine replica's streaming knobs (StreamingConfig)."""
-        config = dict(config or {})
-        streaming = {k: config.pop(k) for k in StreamingConfig.model_fields if k in config} \
-            if self.engine_replica is not None else {}
+        """user_config: micro-batching knobs and admission limit (BatchingConfig), changed without a
+        restart; with `colocate_ingress` also the engine's knobs, which its client takes out first."""
+        own = self.engine.reconfigure(dict(config or {}))  # a bad engine knob raises, naming it
         try:
-            cfg = BatchingConfig.model_validate(config)
+            cfg = BatchingConfig.model_validate(own)
         except ValidationError as e:
             raise ValueError("invalid Ingress user_config: " + describe_validation_error(e)) from None
-        if self.engine_replica is not None:
-            self.engine_replica.reconfigure(streaming)  # a bad value raises, naming it
         self._prepare_batch.set_max_batch_size(cfg.max_batch_size)
         self._prepare_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
         self.batching = cfg
@@ -318,25 +294,14 @@ class Ingress:
     # -- the engine in this replica (colocate_ingress) ----------------------------------------
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s: with the engine here, its health is ours."""
-        if self.engine_replica is not None:
-            await self.engine_replica.check_health()
+        await self.engine.check_replica_health()
 
     async def get_stats(self) -> dict[str, Any]:
-        return await self._local_engine().get_stats()
-
-    async def fault_injection_for_testing(self, op: str) -> dict[str, Any]:
-        return await self._local_engine().fault_injection_for_testing(op)
-
-    def _local_engine(self):
-        if self.engine_replica is None:
-            raise ValueError("the engine is not in this replica (colocate_ingress is off): "
-                             "call the EngineDeployment")
-        return self.engine_replica
+        return await self.engine.get_stats()
 
     def __del__(self):
         # Serve's ASGI wrapper calls this after ending the app's lifespan, once the replica has
-        # drained (graceful_shutdown_timeout_s).
-        replica = getattr(self, "engine_replica", None)
-        if replica is not None:
-            replica.shutdown()
-
+        # drained (graceful_shutdown_timeout_s); an engine in this process stops with it.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,9 +1,17 @@
 """Where the Ingress and Guardrails get an engine request's token stream from.
 
-    RemoteEngine   a deployment behind a handle (the engine replicas, or Guardrails in front of
-                   them): one streaming handle call per engine request (`stream_from`)
-    LocalEngine    an engine replica's object in this very process (`colocate_ingress`): its
-                   `generate()` iterated directly, no call, no hop
+    RemoteEngine        a deployment behind a handle (the engine replicas, or Guardrails in front
+                        of them): one streaming handle call per engine request (`stream_from`)
+    LocalEngine         an engine replica's object in this very process (`colocate_ingress`): its
+                        `generate()` iterated directly, no call, no hop
+    LocalEngineFactory  what build_app hands a colocated Ingress in place of handles: called once
+                        in the Ingress's replica, it starts the engine there (LocalEngine) and puts
+                        the JSON guard in front of it (GuardedEngine)
+
+Both clients have one interface, so the Ingress never asks where its engine is: besides the
+streams, `reconfigure` takes the engine's knobs out of the caller's user_config,
+`check_replica_health` is what the engine adds to the caller replica's health, and `get_stats`
+and `shutdown` reach an engine in this process.
 
 A handle call is cancelled in `finally`, so whoever stops reading (a disconnected client,
 a cancelled task, an error in a sibling stream) stops the engine request too; Serve's own
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any, AsyncIterator
 
@@ -21,6 +30,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.messages import EngineRequest, StreamError, StreamItem
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -41,6 +51,20 @@ class RemoteEngine:
     async def check_health(self) -> None:
         await self.handle.check_health.remote()
 
+    def reconfigure(self, user_config: dict[str, Any]) -> dict[str, Any]:
+        """None of the caller's user_config is the engine's (its replicas have a user_config of
+        their own): all of it comes back."""
+        return user_config
+
+    async def check_replica_health(self) -> None:
+        """Nothing: Serve checks the engine replicas' health itself."""
+
+    async def get_stats(self) -> dict[str, Any]:
+        raise ValueError("the engine is not in this replica (colocate_ingress is off): call the EngineDeployment")
+
+    def shutdown(self) -> None:
+        """Nothing: the engine replicas are not the caller's to stop."""
+
 
 class LocalEngine:
     """The same, from an engine replica object held in this process (`colocate_ingress`). Its
@@ -57,6 +81,41 @@ class LocalEngine:
 
     async def check_health(self) -> None:
         await self.replica.check_health()
+
+    def reconfigure(self, user_config: dict[str, Any]) -> dict[str, Any]:
+        """Apply the engine replica's knobs (StreamingConfig's keys) of the caller's user_config,
+        a bad value raising ValueError naming it; the other keys, the caller's own, come back."""
+        self.replica.reconfigure({k: v for k, v in user_config.items() if k in StreamingConfig.model_fields})
+        return {k: v for k, v in user_config.items() if k not in StreamingConfig.model_fields}
+
+    async def check_replica_health(self) -> None:
+        """The engine runs in the caller's replica: its health is the replica's."""
+        await self.replica.check_health()
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.replica.get_stats()
+
+    def shutdown(self) -> None:
+        self.replica.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalEngineFactory:
+    """The engine of a colocated Ingress (`colocate_ingress`), as build_app decides it: plain values,
+    pickled into the Ingress's replica and called there once, so the engine starts in that process."""
+
+    args: AppArgs
+    device: str  # resolved by build_app ("cpu" or "cuda")
+
+    def __call__(self) -> tuple[LocalEngine, Any]:
+        """The engine (a LocalEngine), and the same behind a JSON guard (a GuardedEngine)."""
+        # Imported here: a separate Ingress imports this module and must never load the engine (torch).
+        from serve_app.guard.guardrails import GuardedEngine, JsonGuard
+        from serve_app.guard.policy import GuardrailPolicy
+        from serve_app.replica.engine_deployment import EngineReplica
+
+        engine = LocalEngine(EngineReplica(self.args, self.device))
+        return engine, GuardedEngine(JsonGuard(GuardrailPolicy.from_args(self.args.guardrails)), engine)
 
 
 async def stream_from(handle: DeploymentHandle, request: EngineRequest) -> AsyncIterator[StreamItem]:
