@@ -6,6 +6,7 @@ import pytest
 from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
 from engine.entrypoints.async_llm import EngineDeadError
 from engine.errors import InvalidRequestError, PromptTooLongError
+from tests.faults import fail_next_step
 
 
 @pytest.fixture
@@ -143,11 +144,11 @@ def test_request_registered_as_the_loop_ends_is_not_left_waiting(make_llm, endin
         state = real_make_request(request_id, *args)
         if ending == "death":
             llm.engine.executor.forward = _boom
-            llm._submit(("add", real_make_request("killer", "x", SamplingParams(max_tokens=2))))
+            llm._client.add_request(real_make_request("killer", "x", SamplingParams(max_tokens=2)))
         else:
-            llm._submit(("stop", None))
-        llm._thread.join(10)
-        assert not llm._thread.is_alive()
+            llm.shutdown()  # from another thread, in real use
+        llm._client._thread.join(10)
+        assert not llm._client._thread.is_alive()
         return state
 
     async def main():
@@ -299,7 +300,7 @@ def test_lifecycle_leaves_nothing_behind(tiny_llama, how):
 
 
 def test_injected_step_error_reaches_every_waiter(make_llm):
-    """The test-only hook the serving fault tests use: the step loop raises, everyone hears."""
+    """The fault the serving fault tests inject (tests/faults.py): the step loop raises, everyone hears."""
     llm = make_llm()
 
     async def main():
@@ -307,7 +308,7 @@ def test_injected_step_error_reaches_every_waiter(make_llm):
         streams = [llm.generate(f"p{i}", params, f"r{i}") for i in range(2)]
         for s in streams:
             await s.__anext__()
-        llm.inject_step_error_for_testing(RuntimeError("injected in the step loop"))
+        await fail_next_step(llm, RuntimeError("injected in the step loop"))
         for s in streams:
             with pytest.raises(EngineDeadError, match="injected in the step loop"):
                 async for _ in s:

@@ -10,6 +10,7 @@ from engine.entrypoints.async_llm import EngineDeadError
 from engine.errors import PromptTooLongError
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.stages import EngineStage, RetryCounter, ids_from_column, postprocess_batch, preprocess_batch
+from tests.faults import fail_next_step
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -73,7 +74,7 @@ def test_batches_failing_together_are_retried_on_one_fresh_engine(tiny_llama):
         calls = [asyncio.ensure_future(stage(rows.slice(0, 2))), asyncio.ensure_future(stage(rows.slice(2)))]
         while not first.engine.has_unfinished_requests():  # both batches are in the engine: kill it mid-way
             await asyncio.sleep(0.001)
-        first.inject_step_error_for_testing(RuntimeError("injected: CUDA error"))
+        await fail_next_step(first, RuntimeError("injected: CUDA error"))
         return await asyncio.gather(*calls)
 
     out = [r for t in asyncio.run(run()) for r in t.to_pylist()]
@@ -86,7 +87,7 @@ def test_batches_failing_together_are_retried_on_one_fresh_engine(tiny_llama):
 
 def test_a_batch_failing_every_attempt_fails(tiny_llama):
     stage = EngineStage(BatchConfig(model=tiny_llama, max_tokens=2, max_batch_retries=0))
-    stage.llm.inject_step_error_for_testing(RuntimeError("boom"))
+    asyncio.run(fail_next_step(stage.llm, RuntimeError("boom")))
     with pytest.raises(EngineDeadError, match="boom"):
         asyncio.run(stage(_rows(stage.config, ["x"])))
 

@@ -8,9 +8,10 @@ import time
 import pytest
 
 from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
-from engine.entrypoints.core_client import PromptCache
+from engine.core.engine_core import PromptCache
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
+from tests.faults import StepFaultEngineCore, fail_next_step
 
 DELTA = dict(temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
@@ -22,6 +23,14 @@ def _config(model, **kw):
 @pytest.fixture
 def proc_llm(tiny_llama):
     llm = AsyncLLM(_config(tiny_llama), engine_process=True)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def faulty_proc_llm(tiny_llama):
+    """An engine process whose step a test can make raise (tests/faults.py)."""
+    llm = AsyncLLM(_config(tiny_llama), engine_process=True, engine_core_class=StepFaultEngineCore)
     yield llm
     llm.shutdown()
 
@@ -99,7 +108,7 @@ def test_every_output_carries_its_prompt(proc_llm, kind):
     assert len(texts) > 1 and all(o.prompt == "some text" and o.prompt_token_ids == texts[0].prompt_token_ids
                                   for o in texts)
     assert texts[0].prompt_token_ids and first.prompt == "abort me"
-    assert len(proc_llm._core._prompts) == 0
+    assert len(proc_llm._client._prompts) == 0
 
 
 def test_outputs_that_cannot_be_delivered_fail_every_waiter(proc_llm, monkeypatch):
@@ -107,7 +116,7 @@ def test_outputs_that_cannot_be_delivered_fail_every_waiter(proc_llm, monkeypatc
     async def main():
         stream = proc_llm.generate("p", SamplingParams(max_tokens=400, **DELTA), "r")
         await stream.__anext__()
-        monkeypatch.setattr(proc_llm._core._prompts, "restore", lambda pairs: 1 / 0)
+        monkeypatch.setattr(proc_llm._client._prompts, "restore", lambda pairs: 1 / 0)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="could not be delivered"):
             async for _ in stream:
@@ -162,7 +171,9 @@ def test_a_closed_stream_is_aborted_in_the_engine_process(proc_llm):
 
 
 @pytest.mark.parametrize("fault, message", [("kill", "exited"), ("step_error", "injected in the step loop")])
-def test_a_dead_engine_process_fails_every_waiter(proc_llm, fault, message):
+def test_a_dead_engine_process_fails_every_waiter(faulty_proc_llm, fault, message):
+    proc_llm = faulty_proc_llm
+
     async def main():
         params = SamplingParams(max_tokens=400, **DELTA)
         streams = [proc_llm.generate(f"p{i}", params, f"r{i}") for i in range(2)]
@@ -170,8 +181,8 @@ def test_a_dead_engine_process_fails_every_waiter(proc_llm, fault, message):
             await s.__anext__()  # both running
         if fault == "kill":
             os.kill(proc_llm.engine_pid, signal.SIGKILL)
-        else:  # the test-only hook the serving fault tests use: the step loop raises
-            proc_llm.inject_step_error_for_testing(RuntimeError("injected in the step loop"))
+        else:  # the fault the serving fault tests inject: the step loop raises
+            await fail_next_step(proc_llm, RuntimeError("injected in the step loop"))
         t0 = time.monotonic()
 
         async def drain(s):
