@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
@@ -32,6 +32,9 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.messages import EngineRequest, StreamError, StreamItem
+
+if TYPE_CHECKING:  # guardrails imports this module
+    from serve_app.guard.guardrails import GuardedEngine
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
@@ -107,7 +110,7 @@ class LocalEngineFactory:
     args: AppArgs
     device: str  # resolved by build_app ("cpu" or "cuda")
 
-    def __call__(self) -> tuple[LocalEngine, Any]:
+    def __call__(self) -> tuple[LocalEngine, GuardedEngine]:
         """The engine (a LocalEngine), and the same behind a JSON guard (a GuardedEngine)."""
         # Imported here: a separate Ingress imports this module and must never load the engine (torch).
         from serve_app.guard.guardrails import GuardedEngine, JsonGuard
