@@ -37,13 +37,11 @@ DEMO_ARGS = {  # app args of the demo: small batches so that a CPU box reaches t
 _TOKENS_LINE = re.compile(r'^ray_rayllm_generation_tokens_total\{[^}]*replica="([^"]+)"[^}]*\}\s+(\S+)$')
 
 
-def engine_status() -> dict:
-    """Serve's view of the engine deployment (what `serve status` prints for it)."""
+def engine_status(app_name: str) -> dict:
+    """Serve's view of the app's engine deployment (what `serve status` prints for it)."""
     from ray import serve
 
-    from serve_app.local import APP_NAME
-
-    app = serve.status().applications.get(APP_NAME)
+    app = serve.status().applications.get(app_name)
     dep = app.deployments.get(ENGINE) if app else None
     if dep is None:
         return {"status": "MISSING", "replica_states": {}}
@@ -84,8 +82,8 @@ def tokens_by_replica(metrics_text: str) -> dict[str, float]:
 class Sampler:
     """Every `period_s`, on a thread: engine replicas by state and tokens per replica."""
 
-    def __init__(self, url: str, period_s: float = 1.0):
-        self.url, self.period_s = url, period_s
+    def __init__(self, url: str, app_name: str, period_s: float = 1.0):
+        self.url, self.app_name, self.period_s = url, app_name, period_s
         self.samples: list[dict] = []
         self.t0 = time.monotonic()
         self._stop = threading.Event()
@@ -100,7 +98,7 @@ class Sampler:
         self._thread.join()
 
     def sample(self) -> dict:
-        status = engine_status()
+        status = engine_status(self.app_name)
         try:
             tokens = tokens_by_replica(httpx.get(self.url + "/metrics", timeout=10, trust_env=False).text)
         except httpx.HTTPError:
@@ -137,11 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
     if len(rates) != len(counts):
         ap.error(f"--rates has {len(rates)} levels, --num-prompts {len(counts)}")
     model = a.model or _tiny_model()
-    from serve_app.local import local_server
+    from serve_app.local import APP_NAME, local_server
 
     argv = sys.argv[1:] if argv is None else argv
     results = base_metadata(["python", "-m", "loadtest.autoscale", *argv]) | {"app_args": DEMO_ARGS}
-    with local_server({"model": model, **DEMO_ARGS}, num_cpus=2) as url, Sampler(url) as sampler:
+    with local_server({"model": model, **DEMO_ARGS}, num_cpus=2) as url, Sampler(url, APP_NAME) as sampler:
         levels = []
         for rate, n in zip(rates, counts):  # one sweep per level: each its own num_prompts
             cfg = OnlineConfig(base_url=url, model="tiny", concurrency=[1], num_prompts=n, input_len=a.input_len,

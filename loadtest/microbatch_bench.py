@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from serve_app.local import METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_ingress
+from serve_app.local import APP_NAME, METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_ingress
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
@@ -87,7 +87,7 @@ def main() -> None:
         asyncio.run(_round(url, "bench", argparse.Namespace(**{**vars(a), "num_requests": a.concurrency})))  # warm-up
         for _ in range(a.rounds):
             for mode, cfg in modes.items():
-                reconfigure_ingress(cfg)
+                reconfigure_ingress(APP_NAME, cfg)
                 before = _batch_stats(url)
                 results[mode].append(_round_sync(url, a))
                 after = _batch_stats(url)

@@ -140,9 +140,9 @@ async def _http_level(client, url: str, requests: list[BenchRequest], concurrenc
 
 
 async def _engine_stats() -> dict:
-    from serve_app.local import call_deployment, engine_deployment
+    from serve_app.local import APP_NAME, call_deployment, engine_deployment
 
-    return await asyncio.to_thread(lambda: call_deployment(engine_deployment(), "get_stats"))
+    return await asyncio.to_thread(lambda: call_deployment(APP_NAME, engine_deployment(), "get_stats"))
 
 
 async def _scrape(client, url: str) -> dict[str, dict[str, float]]:
@@ -195,7 +195,7 @@ def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concur
     metrics_interval_ms: Ray's metrics publishing interval; None: Ray's own, as `serve run` has it.
     """
     from serve_app.args import StreamingConfig
-    from serve_app.local import RAY_METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_engine
+    from serve_app.local import APP_NAME, RAY_METRICS_REPORT_INTERVAL_MS, local_server, reconfigure_engine
 
     args = {k: v for k, v in kwargs.items() if v is not None} | {"served_model_name": SERVED_NAME} | extra_args
     streaming = {k: v for k, v in args.items() if k in StreamingConfig.model_fields}
@@ -210,7 +210,7 @@ def run_serve(kwargs: dict, workload: Callable[[int], tuple[list, list]], concur
             name, point = "serve" + suffix, {}
             if key is not None:
                 point = {key: value}
-                reconfigure_engine(streaming | point)
+                reconfigure_engine(APP_NAME, streaming | point)
                 name = f"serve_{key}={_fmt(value)}{suffix}"
             results[name] = asyncio.run(_serve_levels(url, requests, ttft_requests, concurrency,
                                                       interval_ms / 1000))

@@ -1,120 +1,132 @@
-"""Run the application in this process's own local Ray cluster, on a free loopback port.
+"""Local Ray clusters running the application, on a free loopback port.
 
 For tests and benchmarks (`serve run deploy/config.yaml` is the way to serve for real):
 
     with local_server({"model": "models/tiny-llama", "device": "cpu"}) as url:
         ...  # OpenAI-compatible endpoint at url + "/v1"
+
+The pieces, for a test suite that shares one cluster between several apps:
+
+    with local_cluster(num_cpus=2) as cluster_url:
+        with deployed_app(cluster_url, args, "first") as url:   # url = cluster_url + "/first"
+            call_deployment("first", "EngineDeployment", "get_stats")
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from engine.executor.network_utils import free_port
 
+if TYPE_CHECKING:  # importing Ray Serve reads its environment, which local_cluster sets first
+    from ray.serve import Application
+
 APP_NAME = "llm"
 # Ray Serve's high-throughput mode (Ray docs: "Enable High Throughput on Ray Serve"), which
-# `make serve`, the Dockerfile and the RayService set too: HAProxy (C) takes the HTTP port in
-# place of the Python ProxyActor and forwards to the Ingress replica's own HTTP server (direct
-# ingress), and replicas talk gRPC. It cut the serving path's CPU per streamed token ~2x on
-# the CPU box (docs/benchmarks.md, "Serving overhead"). Read by Ray's processes at start, so
-# it is environment, not an app arg; a value already set in the environment wins ("0" = off).
+# `make serve`, the Dockerfile and the RayService set too: HAProxy takes the HTTP port in place
+# of the Python ProxyActor and forwards to the Ingress replica's own HTTP server, and replicas
+# talk gRPC (about half the serving path's CPU per token: docs/benchmarks.md, "Serving
+# overhead"). Read by Ray's processes at start, so it is environment, not an app arg; a value
+# already set in the environment wins ("0" = off).
 HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-# Serve's controller reconciles every 0.1 s by default, and each pass costs CPU in it and in the
-# replicas it polls: at 0.5 s the served CPU box streamed ~10% more tokens/s (4.95 -> 4.5 CPU ms
-# per token, docs/benchmarks.md). Autoscaling and health checks work in seconds, so a 0.5 s
-# reaction is enough. `make serve`, the Dockerfile and the RayService set it too; the
-# environment wins.
+# Serve's controller reconciles every 0.1 s by default and each pass costs CPU; autoscaling and
+# health checks work in seconds, so 0.5 s is enough (docs/benchmarks.md). `make serve`, the
+# Dockerfile and the RayService set it too; the environment wins.
 CONTROL_LOOP_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 METRICS_REPORT_INTERVAL_MS = 1000
 # A stopping direct-ingress replica stays reachable this long so that load balancers in front
-# can deregister it; Ray's default, 30 s, made every test module's teardown wait 30 s for the
-# Ingress. Here HAProxy on the same node is the only balancer, reloaded as the replica stops.
+# can deregister it (Ray's default 30 s made every app deletion wait 30 s). Here HAProxy on the
+# same node is the only balancer, reloaded as the replica stops.
 DRAINING_PERIOD_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 RAY_METRICS_REPORT_INTERVAL_MS = 10_000  # Ray's own default: what `serve run` clusters have
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
+_CALLER = "serve_app.local.caller"
 
 
 @contextlib.contextmanager
-def local_server(args: dict[str, Any], num_cpus: int | None = None, high_throughput: bool = True,
-                 metrics_report_interval_ms: int = METRICS_REPORT_INTERVAL_MS) -> Iterator[str]:
-    """Start Ray + Serve + the app; yield the base URL; shut everything down after.
+def local_cluster(num_cpus: int | None = None, high_throughput: bool = True,
+                  metrics_report_interval_ms: int = METRICS_REPORT_INTERVAL_MS) -> Iterator[str]:
+    """Start Ray + Serve in this process (no app yet); yield Serve's base URL; shut both down after.
 
     high_throughput=False: Serve's Python ProxyActor instead of HAProxy (HIGH_THROUGHPUT_ENV).
     metrics_report_interval_ms: how often Ray's agent publishes metrics. Tests want /metrics fresh
-    (1 s); a benchmark wants the CPU of what users run (RAY_METRICS_REPORT_INTERVAL_MS: at 1 s the
-    agent used ~3% more of a core on the CPU box, docs/benchmarks.md).
+    (1 s); a benchmark wants the CPU of what users run (RAY_METRICS_REPORT_INTERVAL_MS: 1 s costs
+    the agent ~3% of a core, docs/benchmarks.md).
     """
+    import ray
+
+    if ray.is_initialized():  # ray.init would quietly join it, and the shutdown below end it
+        raise RuntimeError("Ray is already initialized in this process: deploy into that cluster "
+                           "(deployed_app) or shut it down first")
     saved_env = dict(os.environ)
-    # Inherited by the cluster this process starts; restored when it is shut down. Set before
-    # Ray Serve is imported here: the handles bound below take their protocol (gRPC or Ray
-    # calls) from this process's environment at import (serve_app/app.py builds them here).
+    # Inherited by the cluster this process starts; restored when it is shut down.
     mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
     haproxy_dir = tempfile.mkdtemp(prefix="haproxy-serve-")
     os.environ.update({**_haproxy_private_env(haproxy_dir), **DRAINING_PERIOD_ENV, **CONTROL_LOOP_ENV, **os.environ,
                        **mode})
-    import ray
+    # Replicas import serve_app from this checkout even when the package is not installed: in the
+    # environment rather than a runtime_env, so that the workers Ray starts ahead of time serve
+    # too (serve_app/batch/cluster.py).
+    path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    os.environ.update({"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"})
     from ray import serve
 
-    from serve_app.app import build_app
-
     port = free_port()
-    # Replicas import serve_app from this checkout even when the package is not installed.
-    path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-    # metrics_report_interval_ms: by default Ray's agent publishes recorded metrics every second (its
-    # own default is 10 s), so GET /metrics (serve_app/http/cluster_metrics.py) is at most ~2 s behind.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             _system_config={"metrics_report_interval_ms": metrics_report_interval_ms},
-             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
+    # Ray's agent publishes recorded metrics every metrics_report_interval_ms, so GET /metrics
+    # (serve_app/http/cluster_metrics.py) is at most about twice that behind.
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": metrics_report_interval_ms})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
-        stop_router_loop()
         ray.shutdown()
         os.environ.clear()
         os.environ.update(saved_env)
         shutil.rmtree(haproxy_dir, ignore_errors=True)
 
 
-def stop_router_loop(timeout_s: float = 5.0) -> None:
-    """Stop the event loop this process's DeploymentHandles route on (call_deployment's).
+def deploy_app(app: dict[str, Any] | Application, name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """Run the app (its args for build_app, or an app built already) under `name` in this
+    process's cluster; returns once it is up."""
+    from ray import serve
 
-    Ray Serve runs it in a daemon thread for the life of the process. serve.shutdown() cancels
-    its routers' tasks but not the loop's own monitor, which goes on recording metrics every few
-    seconds into a core worker that ray.shutdown() has torn down; the suite once passed and then
-    segfaulted at exit with that thread alive. A handle made later starts a fresh loop (the
-    class makes one when it has none)."""
-    from ray.serve._private.router import SingletonThreadRouter as router
+    from serve_app.app import build_app
 
-    with router._asyncio_loop_creation_lock:
-        loop, router._asyncio_loop, router._event_loop_monitor = router._asyncio_loop, None, None
-    if loop is None:
-        return
+    serve.run(build_app(app) if isinstance(app, dict) else app, name=name, route_prefix=route_prefix)
 
-    async def cancel_all() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
-    with contextlib.suppress(Exception):
-        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout_s)
-    loop.call_soon_threadsafe(loop.stop)
-    deadline = time.monotonic() + timeout_s
-    while loop.is_running() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if not loop.is_running():
-        loop.close()
+def delete_app(name: str = APP_NAME) -> None:
+    """Delete the app and wait until its replicas are gone."""
+    from ray import serve
+
+    serve.delete(name)
+
+
+@contextlib.contextmanager
+def deployed_app(cluster_url: str, app: dict[str, Any] | Application, name: str) -> Iterator[str]:
+    """The app (as deploy_app takes it) under `name` at route prefix "/<name>" of a running
+    local_cluster; yield its base URL; delete it after."""
+    deploy_app(app, name, route_prefix=f"/{name}")
+    try:
+        yield f"{cluster_url}/{name}"
+    finally:
+        delete_app(name)
+
+
+@contextlib.contextmanager
+def local_server(args: dict[str, Any], num_cpus: int | None = None, high_throughput: bool = True,
+                 metrics_report_interval_ms: int = METRICS_REPORT_INTERVAL_MS) -> Iterator[str]:
+    """Start Ray + Serve + the app (APP_NAME at "/"); yield the base URL; shut everything down after."""
+    with local_cluster(num_cpus, high_throughput, metrics_report_interval_ms) as url:
+        deploy_app(args)
+        yield url
 
 
 def _haproxy_private_env(state: str) -> dict[str, str]:
@@ -129,31 +141,43 @@ def _haproxy_private_env(state: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
 
 
-def call_deployment(deployment: str, method: str, *args: Any) -> Any:
-    """Call one method of a running deployment from synchronous code (one replica: benchmarks, tests)."""
-    from ray import serve
+class _Caller:
+    """A Ray actor in the cluster that calls deployments through DeploymentHandles (call_deployment).
 
-    handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
-    # The router on Ray's own loop: under RAY_SERVE_THROUGHPUT_OPTIMIZED it would run on the
-    # caller's event loop, and a plain `.remote().result()` outside one is refused.
-    if not handle.is_initialized:  # get_deployment_handle hands out one cached handle
-        handle._init(_run_router_in_separate_loop=True)
-    return getattr(handle, method).remote(*args).result()
+    The calls are made there, not in this process: a handle's router runs on an event loop of the
+    process that uses it, and which loop (the caller's or a thread Ray keeps for the life of the
+    process) depends on Serve's environment when this process imported it. In an actor of the
+    cluster it is the same as in the replicas, and it ends with the cluster."""
+
+    async def call(self, app: str, deployment: str, method: str, *args: Any) -> Any:
+        from ray import serve
+
+        return await getattr(serve.get_deployment_handle(deployment, app_name=app), method).remote(*args)
 
 
-def engine_deployment() -> str:
+def call_deployment(app: str, deployment: str, method: str, *args: Any) -> Any:
+    """Call one method of a deployment of a running app from synchronous code (one replica: benchmarks, tests)."""
+    import ray
+
+    # Detached: a named actor still ends with the last handle to it, and these handles are short-lived.
+    # It goes with the local cluster all the same.
+    caller = ray.remote(num_cpus=0)(_Caller).options(name=_CALLER, get_if_exists=True, lifetime="detached").remote()
+    return ray.get(caller.call.remote(app, deployment, method, *args))
+
+
+def engine_deployment(app: str = APP_NAME) -> str:
     """The deployment whose replicas run the engine: the EngineDeployment, or with colocate_ingress the Ingress."""
     from ray import serve
 
-    return "EngineDeployment" if "EngineDeployment" in serve.status().applications[APP_NAME].deployments \
+    return "EngineDeployment" if "EngineDeployment" in serve.status().applications[app].deployments \
         else "Ingress"
 
 
-def reconfigure_ingress(user_config: dict[str, Any]) -> None:
+def reconfigure_ingress(app: str, user_config: dict[str, Any]) -> None:
     """Apply an Ingress user_config on the running replica (what Serve does on a user_config change)."""
-    call_deployment("Ingress", "reconfigure", user_config)
+    call_deployment(app, "Ingress", "reconfigure", user_config)
 
 
-def reconfigure_engine(user_config: dict[str, Any]) -> None:
+def reconfigure_engine(app: str, user_config: dict[str, Any]) -> None:
     """Apply an EngineDeployment user_config on its running replica (what a user_config change does)."""
-    call_deployment("EngineDeployment", "reconfigure", user_config)
+    call_deployment(app, "EngineDeployment", "reconfigure", user_config)

@@ -1,9 +1,10 @@
-"""Shared fixtures: tiny random-weight HF checkpoints built on the fly.
+"""Shared fixtures: tiny random-weight HF checkpoints built on the fly, and the suite's one Ray cluster.
 
 KV leaks are checked where engines run, not here: engine tests call
 `BlockManager.check_no_leak()` after their requests, and the Serve fault tests
 (tests/test_serve_faults.py) wait for the replica's stats to be at rest (0 running,
 0 waiting, KV usage 0) after bursts and dropped clients."""
+import contextlib
 import os
 
 import torch
@@ -36,6 +37,55 @@ def tiny_qwen3(tmp_path_factory):
     return _build(tmp_path_factory, "qwen3")
 
 
+class SharedCluster:
+    """The suite's Ray cluster with Serve (serve_app.local.local_cluster), started by the first module
+    that asks for it. Each module deploys its own app into it (deployed_app: its own name and route
+    prefix) and deletes it at the module's end. A module that needs a cluster of its own (another
+    Serve environment, say) stops this one first (`own_ray_cluster`); the next module that asks
+    starts it again."""
+
+    # Logical CPUs: test_serve_faults.py's replica (tensor_parallel_size=2) reserves 2, and its
+    # replacement 2 more while it stops.
+    NUM_CPUS = 4
+
+    def __init__(self):
+        self._stack: contextlib.ExitStack | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        if self._stack is None:
+            from serve_app.local import local_cluster
+
+            stack = contextlib.ExitStack()
+            self.url = stack.enter_context(local_cluster(num_cpus=self.NUM_CPUS))
+            self._stack = stack
+        return self.url
+
+    def stop(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster():
+    cluster = SharedCluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(shared_cluster) -> str:
+    """Serve's base URL on the suite's shared Ray cluster (started now if it is not running)."""
+    return shared_cluster.start()
+
+
+@pytest.fixture(scope="module")
+def own_ray_cluster(shared_cluster) -> None:
+    """For a module that starts a Ray cluster of its own: the shared one is stopped first."""
+    shared_cluster.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gguf_view_cache(tmp_path_factory):
     """GGUF views (engine.loader.gguf_config) of this session's files go to a temporary cache, not ~/.cache."""
@@ -48,12 +98,10 @@ def gguf_view_cache(tmp_path_factory):
 
 
 # -- leaving the test process -------------------------------------------------------------------
-# The suite starts and stops a dozen local Ray clusters in this one process. Once, at fresh-clone
-# CI of 153a2b4, every test passed and the interpreter then died with SIGSEGV during its own
-# shutdown (no Python stack: past faulthandler, in native teardown of what Ray and gRPC leave
-# in the process), so `make test` failed a passing run. The process now leaves with pytest's
-# exit status as soon as pytest is done (os._exit), skipping that teardown; a crash while tests
-# run is still caught by -X faulthandler. RAYLLM_TEST_FULL_EXIT=1 keeps the full shutdown.
+# Native teardown of what Ray and gRPC leave in this process has crashed (SIGSEGV, past
+# faulthandler) after a passing run, failing `make test`. So the process leaves with pytest's exit
+# status as soon as pytest is done (os._exit); a crash while tests run is still caught by
+# -X faulthandler. RAYLLM_TEST_FULL_EXIT=1 keeps the full shutdown.
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
 

@@ -1,4 +1,6 @@
-"""serve_app.batch end to end: real Ray (one local cluster for the module), tiny random models."""
+"""serve_app.batch end to end: real Ray (the suite's shared local cluster), tiny random models.
+
+The SIGTERM test's job is a CLI subprocess, which starts a cluster of its own as users' jobs do."""
 import json
 import os
 import signal
@@ -19,15 +21,13 @@ from serve_app.batch.stages import EngineStage
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
+@pytest.fixture(scope="module", autouse=True)
+def no_progress_bars(ray_cluster):
     import ray
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    context = ray.data.DataContext.get_current()
+    saved, context.enable_progress_bars = context.enable_progress_bars, False
     yield
-    ray.shutdown()
+    context.enable_progress_bars = saved
 
 
 def _write_jsonl(path, rows):

@@ -263,10 +263,8 @@ def _engine_importable() -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from engine.tools.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+def tiny_model_dir(tiny_llama):
+    return tiny_llama  # the session's checkpoint (tests/conftest.py)
 
 
 def test_hf_static_batching_matches_unpadded_greedy(tiny_model_dir):

@@ -1,16 +1,20 @@
 """loadtest.autoscale: under an open-loop load, Serve brings up the second engine replica and both serve.
 
-Real Ray Serve (local cluster), the tiny model, the demo's aggressive autoscaler delays.
+Real Ray Serve (the suite's shared local cluster), the tiny model, the demo's aggressive autoscaler delays.
 """
 import asyncio
+import math
 
 import pytest
 
 from loadtest.autoscale import DEMO_ARGS, Sampler, tokens_by_replica
 from loadtest.online import OnlineConfig, run_sweep
-from serve_app.local import local_server
+from serve_app.local import deployed_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+APP = "test_loadtest_autoscale"
+LOAD_S = 25.0  # of arrivals: long enough for the second replica to start (import torch, load) and take traffic
 
 
 def test_tokens_by_replica_sums_each_replicas_series():
@@ -20,15 +24,20 @@ def test_tokens_by_replica_sums_each_replicas_series():
     assert tokens_by_replica(text) == {"r1": 10.0, "r2": 5.0}
 
 
-def test_second_engine_replica_comes_up_under_load_and_serves(tiny_llama, tmp_path):
-    with local_server({"model": tiny_llama, **DEMO_ARGS}, num_cpus=2) as url, Sampler(url, period_s=0.5) as sampler:
+def test_second_engine_replica_comes_up_under_load_and_serves(ray_cluster, tiny_llama, tmp_path):
+    with deployed_app(ray_cluster, {"model": tiny_llama, **DEMO_ARGS}, APP) as url, \
+            Sampler(url, APP, period_s=0.5) as sampler:
         assert sampler.sample()["running"] == 1  # min_replicas
-        # 25 s of arrivals: long enough for the second replica to start (its engine process imports
-        # torch and loads the model, on two busy cores) and then take traffic.
-        cfg = OnlineConfig(base_url=url, model="tiny", concurrency=[1], num_prompts=400, input_len=32,
-                           output_len=64, out_dir=tmp_path, request_rates=[16.0], num_warmup=0, token_ids=True)
+        common = dict(base_url=url, model="tiny", input_len=32, output_len=64, out_dir=tmp_path, token_ids=True)
+        # The one replica's capacity on this box now: a full batch (max_num_seqs) kept busy.
+        batch = DEMO_ARGS["max_num_seqs"]
+        (full,) = asyncio.run(run_sweep(OnlineConfig(concurrency=[batch], num_prompts=2 * batch, **common)))["levels"]
+        # Twice that arrives: the queue grows, whatever this box's speed, until a second replica serves.
+        rate = 2 * full["request_throughput"]
+        cfg = OnlineConfig(concurrency=[1], num_prompts=math.ceil(rate * LOAD_S), request_rates=[rate], num_warmup=0,
+                           **common)
         (level,) = asyncio.run(run_sweep(cfg))["levels"]
         both = sampler.wait_for(lambda s: sum(v > 0 for v in s["tokens_by_replica"].values()) >= 2, timeout_s=15)
-    assert level["num_errors"] == 0, level["errors"]
+    assert full["num_errors"] == 0 and level["num_errors"] == 0, (full["errors"], level["errors"])
     assert max(s["running"] for s in sampler.samples) == 2, [s["replica_states"] for s in sampler.samples]
     assert both, f"traffic reached one replica only: {sampler.samples[-1]['tokens_by_replica']}"

@@ -176,9 +176,11 @@ def test_frozen_stops_the_processes_and_continues_them_however_the_block_ends():
         child.wait()
 
 
-def test_paired_rounds_rotate_the_paths_on_one_app(tiny_llama, tmp_path):
+def test_paired_rounds_rotate_the_paths_on_one_app(own_ray_cluster, tiny_llama, tmp_path):
     """--paired: every path once a round, every token counted, each round its own ratios. The
-    served path runs after frozen ones, and the app shuts down: its processes were continued."""
+    served path runs after frozen ones, and the app shuts down: its processes were continued.
+    The benchmark starts a cluster of its own (local_server), as it does when run: its CPU
+    accounting is by process on this box."""
     out = tmp_path / "paired.json"
     report = overhead.main(["--model", tiny_llama, "--paired", "2", "--concurrency", "2", "--num-requests", "4",
                             "--num-ttft-requests", "1", "--input-len", "8", "--output-len", "4", "--out", str(out)])

@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.tools.demo import QUESTIONS
 from engine.tools.demo_model import MODEL_NAME, fetch_demo_model
 from engine.loader.model_path import resolve_model_path
-from serve_app.local import local_server
+from serve_app.local import deployed_app
 from tests.hf_reference import assert_matches, hf_greedy
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
@@ -54,8 +54,8 @@ def test_greedy_equals_hf_on_chat_prompts(llm, smollm2):
 
 
 @pytest.fixture(scope="module")
-def client(smollm2):
-    with local_server(dict(model=smollm2, **ENGINE), num_cpus=2) as url:
+def client(ray_cluster, smollm2):
+    with deployed_app(ray_cluster, dict(model=smollm2, **ENGINE), "test_real_model") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 

@@ -1,12 +1,14 @@
 """The service under faults, on a real local Ray Serve over loopback (CPU, tensor_parallel_size=2).
 
-One app for the whole module (a start-up costs ~20 s): first the cases that leave it healthy
-(a burst past max_pending_requests, clients that drop before the first byte), then the
-faults, one per case, each waiting for Serve's replacement replica before it starts.
+One app for the whole module, on the suite's shared cluster: first the cases that leave it
+healthy (a burst past max_pending_requests, clients that drop before the first byte), then the
+faults, one per case, each waiting for Serve's replacement replica before it starts. The engine
+deployment is tests/fault_app.py's FaultyEngineDeployment, which can tell its pids and fail a step.
 """
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -15,11 +17,13 @@ import time
 import httpx
 import pytest
 
-from serve_app.replica.engine_deployment import FAULT_INJECTION_ENV
-from serve_app.local import call_deployment, local_server
+from serve_app.local import call_deployment, deployed_app
+from tests.fault_app import fault_app
+from tests.test_serve import seconds_per_token
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
+APP = "test_serve_faults"
 MODEL = "tiny-llama"
 MAX_PENDING = 4
 ARGS = dict(served_model_name=MODEL, device="cpu", dtype="float32", tensor_parallel_size=2, max_model_len=2048,
@@ -29,21 +33,13 @@ LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1900, "ignor
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_llama):
-    saved = os.environ.get(FAULT_INJECTION_ENV)
-    os.environ[FAULT_INJECTION_ENV] = "1"  # inherited by the cluster local_server starts
-    try:
-        with local_server({"model": tiny_llama, **ARGS}, num_cpus=4) as url:
-            yield url
-    finally:
-        if saved is None:
-            os.environ.pop(FAULT_INJECTION_ENV, None)
-        else:
-            os.environ[FAULT_INJECTION_ENV] = saved
+def base_url(ray_cluster, tiny_llama):
+    with deployed_app(ray_cluster, fault_app({"model": tiny_llama, **ARGS}), APP) as url:
+        yield url
 
 
 def _engine_stats() -> dict:
-    return call_deployment("EngineDeployment", "get_stats")
+    return call_deployment(APP, "EngineDeployment", "get_stats")
 
 
 def _wait_at_rest(within_s: float = 30.0) -> None:
@@ -86,7 +82,8 @@ async def _stream(c: httpx.AsyncClient, body: dict, started: asyncio.Event | Non
 
 # -- load ---------------------------------------------------------------------------------
 def test_burst_past_max_pending_sheds_the_excess_and_completes_the_rest(base_url):
-    max_tokens = 16
+    # Answers of ~2 s at this box's measured speed: the burst arrives while the first ones still run.
+    max_tokens = min(LONG["max_tokens"], max(16, math.ceil(2.0 / seconds_per_token(base_url, LONG))))
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
@@ -109,8 +106,9 @@ def test_burst_past_max_pending_sheds_the_excess_and_completes_the_rest(base_url
 def test_burst_503_carries_retry_after(base_url):
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
-            streams = [asyncio.create_task(_stream(c, LONG)) for _ in range(MAX_PENDING)]
-            await asyncio.sleep(1.0)
+            started = [asyncio.Event() for _ in range(MAX_PENDING)]
+            streams = [asyncio.create_task(_stream(c, LONG, e)) for e in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # all pending now
             r = await c.post("/v1/completions", json={**LONG, "max_tokens": 2})
             for t in streams:
                 t.cancel()
@@ -122,9 +120,10 @@ def test_burst_503_carries_retry_after(base_url):
 
 
 def test_clients_dropping_before_the_first_byte_leave_the_service_at_rest(base_url):
-    host, port = base_url.removeprefix("http://").split(":")
+    url = httpx.URL(base_url)
+    host, port = url.host, url.port
     payload = json.dumps({**LONG, "max_tokens": 8, "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    request = (f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
     for _ in range(50):
         with socket.create_connection((host, int(port))) as s:
@@ -147,7 +146,7 @@ def _inject(fault: str, pids: dict) -> None:
     elif fault == "kill_tp_worker":
         os.kill(pids["tp_workers"][0], signal.SIGKILL)
     else:
-        call_deployment("EngineDeployment", "fault_injection_for_testing", "step_error")
+        call_deployment(APP, "EngineDeployment", "fail_next_step")
 
 
 def _gone(pid: int) -> bool:
@@ -162,7 +161,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("fault", ["kill_engine_replica", "kill_engine_process", "kill_tp_worker", "step_error"])
 def test_fault_mid_stream_ends_every_request_and_serve_replaces_the_replica(base_url, fault):
     _wait_serving(base_url)
-    pids = call_deployment("EngineDeployment", "fault_injection_for_testing", "pids")
+    pids = call_deployment(APP, "EngineDeployment", "pids")
     assert len(pids["tp_workers"]) == 1 and pids["engine"] != pids["replica"]  # the step loop's own process
 
     async def run():
@@ -183,7 +182,7 @@ def test_fault_mid_stream_ends_every_request_and_serve_replaces_the_replica(base
     for r in (plain_a, plain_b):
         assert r.status_code >= 500 and r.json()["error"]["message"], r.text
     assert _wait_serving(base_url) < 90
-    new = call_deployment("EngineDeployment", "fault_injection_for_testing", "pids")
+    new = call_deployment(APP, "EngineDeployment", "pids")
     assert new["replica"] != pids["replica"]
     deadline = time.monotonic() + 15
     while not all(_gone(p) for p in [pids["replica"], pids["engine"], *pids["tp_workers"]]):

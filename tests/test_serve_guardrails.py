@@ -1,8 +1,9 @@
 """The Guardrails deployment: JSON requests end as valid documents or as clear errors, never a 200 with bad JSON.
 
 First the guard's engine loop against a scripted fake engine (no Ray); then the whole application on
-a real local Ray Serve with the tiny random-weight model (one app for the module; only the grammar
-makes such a model write JSON), driven through the official `openai` client and raw httpx.
+a real local Ray Serve with the tiny random-weight model (one app for the module, on the suite's
+shared cluster; only the grammar makes such a model write JSON), driven through the official
+`openai` client and raw httpx.
 Policy tests change the Guardrails policy live (its `reconfigure`) and put it back.
 """
 import asyncio
@@ -21,11 +22,12 @@ from serve_app.replica.client import RemoteEngine
 from serve_app.guard.policy import GuardrailPolicy
 from serve_app.guard.session import attempt_seed
 from serve_app.guard.guardrails import JsonGuard
-from serve_app.local import APP_NAME, local_server
+from serve_app.local import call_deployment, deployed_app
 from serve_app.http.messages import Delta, EngineRequest, StreamItem
 
 pytestmark = pytest.mark.timeout(900)
 
+APP = "test_serve_guardrails"  # the module's app on the suite's shared Ray cluster, and its route prefix
 MODEL = "tiny-llama"
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=2048, num_kv_blocks=512, max_num_seqs=64, seed=0)
 POLICY = {"max_output_bytes": 4096, "max_depth": 8, "max_retries": 2, "redact_patterns": []}
@@ -169,9 +171,9 @@ def reference(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_llama, reference):
+def base_url(ray_cluster, tiny_llama, reference):
     args = dict(model=tiny_llama, served_model_name=MODEL, guardrails=POLICY, **ENGINE)
-    with local_server(args, num_cpus=2) as url:
+    with deployed_app(ray_cluster, args, APP) as url:
         yield url
 
 
@@ -189,14 +191,11 @@ def http(base_url):
 @contextlib.contextmanager
 def policy(**changes):
     """Run with these policy changes on the live Guardrails replica, then the module's policy again."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("Guardrails", app_name=APP_NAME)
-    handle.reconfigure.remote({**POLICY, **changes}).result()
+    call_deployment(APP, "Guardrails", "reconfigure", {**POLICY, **changes})
     try:
         yield
     finally:
-        handle.reconfigure.remote(POLICY).result()
+        call_deployment(APP, "Guardrails", "reconfigure", POLICY)
 
 
 def _outcomes(http) -> dict[tuple[str, str], float]:
@@ -212,8 +211,9 @@ def _outcomes(http) -> dict[tuple[str, str], float]:
 
 def _read_outcomes(http) -> dict[tuple[str, str], float]:
     counts = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(("ray_rayllm_guardrail_outcomes_total{", "ray_rayllm_requests_total{")):
+    for line in http.get("/metrics").text.splitlines():  # this app's series: the shared cluster ran others
+        if line.startswith(("ray_rayllm_guardrail_outcomes_total{", "ray_rayllm_requests_total{")) and \
+                f'application="{APP}"' in line:
             series, _, value = line.rpartition(" ")
             labels = dict(part.split("=", 1) for part in series[series.index("{") + 1:-1].split(","))
             key = ("requests", "") if "outcome" not in labels else \
@@ -453,6 +453,6 @@ def test_outcomes_are_in_the_metrics(client, http):
                                        temperature=0, max_tokens=20)
     counts = _outcomes(http)
     assert counts[("passed", "none")] >= 1 and counts[("rejected", "schema")] >= 1
-    text = http.get("/metrics").text
+    text = "\n".join(line for line in http.get("/metrics").text.splitlines() if f'application="{APP}"' in line)
     assert 'model_name="tiny-llama"' in text and 'outcome="passed"' in text
     assert 'status="422"' in text
