@@ -161,14 +161,3 @@ def test_the_interval_stretches_with_the_streams_on_the_replica():
             assert [i async for i in s][-1].finished
         assert dep._num_streaming == 0 and dep._interval_s() == pytest.approx(0.02)  # the floor
     asyncio.run(main())
-
-
-def test_fault_injection_is_refused_unless_enabled(monkeypatch):
-    from serve_app.replica.engine_deployment import FAULT_INJECTION_ENV
-    dep = _deployment(FakeLLM())
-    monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
-    with pytest.raises(PermissionError, match=FAULT_INJECTION_ENV):
-        asyncio.run(dep.fault_injection_for_testing("step_error"))
-    monkeypatch.setenv(FAULT_INJECTION_ENV, "1")
-    with pytest.raises(ValueError, match="unknown fault injection op"):
-        asyncio.run(dep.fault_injection_for_testing("explode"))

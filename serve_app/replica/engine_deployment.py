@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from typing import Any, AsyncIterator
 
@@ -37,8 +36,6 @@ from serve_app.replica.placement import expose_bundle_gpus, use_cpu_threads
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
 SHUTDOWN_MESSAGE = "The request was aborted: the engine replica is shutting down. Please retry."
-# Set to "1" in a replica's environment to allow fault_injection_for_testing (the fault tests do).
-FAULT_INJECTION_ENV = "RAYLLM_ENABLE_FAULT_INJECTION"
 
 
 @serve.deployment(name="EngineDeployment")
@@ -119,17 +116,6 @@ class EngineDeployment:
     def _start_metrics(self) -> None:
         if self._metrics_task is None or self._metrics_task.done():
             self._metrics_task = asyncio.get_running_loop().create_task(record_engine_metrics(self.metrics, self.llm))
-
-    async def fault_injection_for_testing(self, op: str) -> dict[str, Any]:
-        """Test-only, refused unless FAULT_INJECTION_ENV=1: "pids" gives this replica's pid and its TP
-        workers'; "step_error" makes the engine's step loop raise, as a bug there would."""
-        if os.environ.get(FAULT_INJECTION_ENV) != "1":
-            raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1)")
-        if op == "step_error":
-            self.llm.inject_step_error_for_testing(RuntimeError("fault injected by a test"))
-        elif op != "pids":
-            raise ValueError(f"unknown fault injection op {op!r}")
-        return {"replica": os.getpid(), "engine": self.llm.engine_pid, "tp_workers": self.llm.worker_pids}
 
     def __del__(self):
         # Serve calls this after graceful_shutdown_timeout_s of draining; what is still in
