@@ -130,8 +130,8 @@ class EngineDeployment:
             llm.shutdown()
 
 
-# The replica's class itself, undecorated: what an Ingress with `colocate_ingress` holds in its
-# own process instead of a handle to an EngineDeployment (serve_app/http/ingress.py).
+# The replica's class itself, undecorated: what a colocated Ingress holds in its own process
+# instead of a handle to an EngineDeployment (LocalEngineFactory in serve_app/replica/client.py).
 EngineReplica = EngineDeployment.func_or_class
 
 
