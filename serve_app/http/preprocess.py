@@ -14,7 +14,7 @@ from engine.entrypoints.prompts import ModelLimits, check_prompt, encode, has_ch
 from engine.errors import InvalidRequestError
 from serve_app.http.errors import OpenAIError, bad_request
 
-__all__ = ["ModelLimits", "Prepared", "PrepJob", "check_prompts", "prepare_batch"]  # ModelLimits: the shared one
+__all__ = ["ModelLimits", "PrepJob", "Prepared", "check_prompts", "prepare_batch"]  # ModelLimits: the shared one
 
 
 @dataclass
