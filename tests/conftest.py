@@ -86,6 +86,12 @@ def own_ray_cluster(shared_cluster) -> None:
     shared_cluster.stop()
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that start a Ray cluster of their own run last (in their order), so that the shared one
+    is started once and stopped once."""
+    items.sort(key=lambda item: "own_ray_cluster" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gguf_view_cache(tmp_path_factory):
     """GGUF views (engine.loader.gguf_config) of this session's files go to a temporary cache, not ~/.cache."""
