@@ -66,6 +66,8 @@ def _deployment(llm, device="cpu") -> EngineDeployment:
     dep.streaming = StreamingConfig()
     dep.recorder = Recorder()  # in place of Ray's metrics
     dep.metrics, dep._metrics_task = EngineMetrics("rayllm", "m", 64, factory=dep.recorder), None
+    dep._request_ids, dep._refusing, dep._graceful_shutdown_timeout_s = set(), False, 20.0
+    dep._drain_watched, dep._drain_task = False, None  # outside Serve: no stop to watch for
     return dep
 
 
@@ -111,6 +113,49 @@ def test_engine_errors_become_error_items_by_type():
 def test_engine_side_abort_says_shutting_down():
     items = _run(_deployment(FakeLLM([_output("a"), _output("", "abort", True)])))
     assert items[-1].error.kind == "unavailable" and items[-1].error.message == SHUTDOWN_MESSAGE
+
+
+class AbortableLLM(FakeLLM):
+    """One token, then nothing until the request is aborted; then the engine's final 'abort' output."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborted_ids: list[str] = []
+        self._aborted = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0):
+        yield _output("a")
+        await self._aborted.wait()
+        yield _output("", "abort", True)
+
+    async def abort(self, request_id):
+        self.aborted_ids.append(request_id)
+        self._aborted.set()
+
+
+def test_abort_all_ends_running_requests_and_refuses_new_ones():
+    """What a replica that Serve stops does when its grace is over (serve_app/replica/draining.py)."""
+    async def run(dep):
+        items = []
+
+        async def read():
+            async for item in dep.generate(EngineRequest("r", [1, 2], SamplingParams(max_tokens=2))):
+                items.append(item)
+        task = asyncio.create_task(read())
+        while not items:
+            await asyncio.sleep(0)
+        await dep.abort_all()
+        await asyncio.wait_for(task, 5)
+        late = [item async for item in dep.generate(EngineRequest("late", [1, 2], SamplingParams(max_tokens=2)))]
+        return items, late
+
+    dep = _deployment(AbortableLLM())
+    items, late = asyncio.run(run(dep))
+    assert dep.llm.aborted_ids == ["r"] and dep.llm.shutdowns == 0  # the engine itself stops in __del__
+    assert [i.deltas[0].text for i in items] == ["a", ""] and items[-1].finished
+    assert items[-1].error.kind == "unavailable" and items[-1].error.message == SHUTDOWN_MESSAGE
+    assert len(late) == 1 and late[0].finished and late[0].error.message == SHUTDOWN_MESSAGE
+    assert not dep._request_ids
 
 
 def test_check_health_fails_when_the_loop_died():

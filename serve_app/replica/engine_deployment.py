@@ -13,6 +13,10 @@ token that is half a character does not delay the first visible text).
 Cancellation: when the caller goes away, Serve cancels the task iterating `generate()`,
 which closes the engine's iterator, which aborts the request and frees its KV blocks at
 the next step boundary.
+
+Stopping: when Serve stops the replica, requests in flight may finish within the deployment's
+graceful_shutdown_timeout_s; what is still running then is aborted, so each caller gets a final
+error item (SHUTDOWN_MESSAGE) before the replica goes (serve_app/replica/draining.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.errors import stream_error
 from serve_app.http.messages import Delta, EngineRequest, ErrorKind, StreamError, StreamItem
 from serve_app.metrics import EngineMetrics, record_engine_metrics
+from serve_app.replica.draining import DrainPolicy, abort_when_stopping, serve_stop_probe
 from serve_app.replica.placement import expose_bundle_gpus, use_cpu_threads
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -50,16 +55,24 @@ class EngineDeployment:
         self._device = device
         self._num_streaming = 0  # requests past their first item: what the stream interval paces
         self._shutting_down = False
+        self._request_ids: set[str] = set()  # in flight: what a stopping replica aborts
+        self._refusing = False  # the stopping replica's grace is over: new requests get SHUTDOWN_MESSAGE
+        self._graceful_shutdown_timeout_s = args.graceful_shutdown_timeout_s
         self._replica = _replica_tag()
         self.streaming = args.streaming()  # reconfigure() replaces it when user_config is set
         cfg = self.llm.engine_config
         self.metrics = EngineMetrics(args.metrics_prefix, args.model_name, cfg.max_model_len)
         self._metrics_task: asyncio.Task | None = None  # started on the replica's loop by the first call
+        self._drain_watched = False  # abort_when_stopping started (by the first call, on the replica's loop)
+        self._drain_task: asyncio.Task | None = None
         logger.info("engine replica %s ready: max_model_len=%d", self._replica, cfg.max_model_len)
 
     # -- requests -------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
-        self._start_metrics()
+        self._start_background()
+        if self._refusing:
+            yield StreamItem(finished=True, error=StreamError(ErrorKind.UNAVAILABLE, SHUTDOWN_MESSAGE))
+            return
         params = request.sampling_params
         params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
@@ -68,6 +81,7 @@ class EngineDeployment:
         # aclosing: however this generator ends (cancelled, closed at a yield), the chain
         # below is closed now, not at garbage collection, and the engine aborts the request.
         streaming = False  # counted in _num_streaming from its first item (queued requests send nothing)
+        self._request_ids.add(request.request_id)
         try:
             async with contextlib.aclosing(_to_items(outputs, self)) as items:
                 async for item in items:
@@ -76,6 +90,7 @@ class EngineDeployment:
                         self._num_streaming += 1
                     yield item
         finally:
+            self._request_ids.discard(request.request_id)
             if streaming:
                 self._num_streaming -= 1
 
@@ -110,16 +125,31 @@ class EngineDeployment:
         """Serve calls this every health_check_period_s; raising makes it replace the replica.
         It raises once the step loop died or a TP worker exited (AsyncLLM sets that within a
         moment, from the executor's watcher thread)."""
-        self._start_metrics()  # so an idle replica exports its gauges too
+        self._start_background()  # so an idle replica exports its gauges (and notices a stop) too
         await self.llm.check_health()
 
-    def _start_metrics(self) -> None:
+    def _start_background(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._metrics_task is None or self._metrics_task.done():
-            self._metrics_task = asyncio.get_running_loop().create_task(record_engine_metrics(self.metrics, self.llm))
+            self._metrics_task = loop.create_task(record_engine_metrics(self.metrics, self.llm))
+        if not self._drain_watched:
+            self._drain_watched = True
+            is_stopping = serve_stop_probe()
+            if is_stopping is not None:  # in a Serve replica (not a test's bare object)
+                policy = DrainPolicy.of_replica(self._graceful_shutdown_timeout_s)
+                self._drain_task = loop.create_task(abort_when_stopping(
+                    is_stopping, policy, lambda: len(self._request_ids), self.abort_all))
+
+    async def abort_all(self) -> None:
+        """Abort every request in flight (each ends with SHUTDOWN_MESSAGE) and refuse new ones, the
+        engine left running: what a stopping replica does when its grace is over."""
+        self._refusing = True
+        for request_id in list(self._request_ids):
+            await self.llm.abort(request_id)
 
     def __del__(self):
-        # Serve calls this after graceful_shutdown_timeout_s of draining; what is still in
-        # flight gets finish_reason "abort", which the callers report as SHUTDOWN_MESSAGE.
+        # Serve calls this once the replica has drained (abort_when_stopping aborted what would not
+        # end in time); anything still in flight gets finish_reason "abort", reported as SHUTDOWN_MESSAGE.
         self.shutdown()
 
     def shutdown(self) -> None:
