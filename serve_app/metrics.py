@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from engine.core.stats import IterationStats
+from serve_app.http.access_log import RequestInfo, log_access
 
 # vLLM's bucket layouts (vllm/v1/metrics/loggers.py), in seconds or tokens.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -187,8 +188,9 @@ class IngressMetrics:
                                 "retried|rejected (reason: none|redacted or the violation), or cancelled "
                                 "(reason client_gone).", ("outcome", "reason"))
 
-    def request(self, json_mode: bool = False) -> "RequestRecorder":
-        return RequestRecorder(self, json_mode)
+    def request(self, json_mode: bool = False, info: RequestInfo | None = None) -> "RequestRecorder":
+        """A recorder for one HTTP request; with `info`, its end is also a line of the access log."""
+        return RequestRecorder(self, json_mode, info)
 
     def count_status(self, status: int) -> None:
         self.requests.inc(1, tags={"status": str(status)})
@@ -208,11 +210,12 @@ class IngressMetrics:
 
 class RequestRecorder:
     """Records one HTTP request into IngressMetrics, the final status once (not engine/outputs.py's
-    RequestMetrics, which holds one engine request's timestamps)."""
+    RequestMetrics, which holds one engine request's timestamps), and its access-log line."""
 
-    def __init__(self, metrics: IngressMetrics, json_mode: bool):
+    def __init__(self, metrics: IngressMetrics, json_mode: bool, info: RequestInfo | None = None):
         self._m = metrics
         self._json_mode = json_mode
+        self._info = info
         self._done = False
         # hop -> [messages, tokens], added to the counters once, when the request ends: a Ray
         # metric call per streamed message raised the Ingress's CPU per token (docs/benchmarks.md,
@@ -244,6 +247,10 @@ class RequestRecorder:
         if self._done:
             return
         self._done = True
+        if self._info is not None:
+            info = self._info
+            log_access(info.method, info.route, status, time.monotonic() - info.arrival, info.num_prompt_tokens,
+                       self._streamed.get("engine", (0, 0))[1], info.request_id)
         self._flush_streamed()
         self._m.count_status(status)
         if status == 200:

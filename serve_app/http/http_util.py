@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve_app.http.access_log import log_access
 from serve_app.http.errors import OpenAIError, bad_request, body_too_large, internal_error, route_not_found, unauthorized
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -43,10 +45,17 @@ def check_api_key(request: Request, api_key: str | None) -> None:
 
 
 def error_response(err: OpenAIError, request: Request | None = None) -> JSONResponse:
-    """The error as OpenAI's body; counted in the replica's request metrics when `request` is given."""
-    metrics = getattr(request.app.state, "metrics", None) if request is not None else None
-    if metrics is not None:
-        metrics.count_status(err.status_code)
+    """The error as OpenAI's body; counted in the replica's request metrics and written to its access
+    log when `request` is given."""
+    if request is not None:
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.count_status(err.status_code)
+        arrival = getattr(request.state, "arrival", None)  # unset: refused before a route ran (404, 405)
+        info = getattr(request.state, "access_info", None)  # set: the engine had the request
+        log_access(request.method, request.url.path, err.status_code,
+                   None if arrival is None else time.monotonic() - arrival,
+                   None if info is None else info.num_prompt_tokens, None, None if info is None else info.request_id)
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
 

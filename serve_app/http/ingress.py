@@ -45,6 +45,7 @@ from serve_app.replica.client import LocalEngineFactory, RemoteEngine, merge_str
 from serve_app.http.errors import (OpenAIError, from_validation_error, from_value_error, model_not_found,
                               overloaded)
 from serve_app.http.http_util import check_api_key, error_response, install_error_handlers, read_body
+from serve_app.http.access_log import RequestInfo
 from serve_app.http.messages import EngineRequest
 from serve_app.http.cluster_metrics import ClusterMetrics
 from serve_app.metrics import IngressMetrics
@@ -160,7 +161,8 @@ class Ingress:
                 if req.echo and req.logprobs is not None else None
             builder = CompletionBuilder(request_id, req.model, req.n, len(prepared.prompt_token_ids), req.logprobs,
                                         req.include_usage, echo_texts=echo, echo_first_tokens=first_tokens)
-            return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=req.json_mode)
+            return await self._generate(request, request_id, prepared, params, builder, req.stream,
+                                        json_mode=req.json_mode)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -174,7 +176,8 @@ class Ingress:
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             k = (req.top_logprobs or 0) if req.logprobs else None
             builder = ChatBuilder(request_id, req.model, req.n, 1, k, req.include_usage)
-            return await self._generate(request_id, prepared, params, builder, req.stream, json_mode=req.json_mode)
+            return await self._generate(request, request_id, prepared, params, builder, req.stream,
+                                        json_mode=req.json_mode)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -203,6 +206,7 @@ class Ingress:
 
     # -- request path ---------------------------------------------------------------------
     async def _parse(self, request: Request, model_cls):
+        request.state.arrival = time.monotonic()  # the access log's latency counts from here
         check_api_key(request, self.args.api_key)
         body = await read_body(request, self.args.max_request_body_bytes)
         try:
@@ -270,14 +274,17 @@ class Ingress:
         return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "rayllm",
                 "root": self.args.model, "parent": None, "max_model_len": limits.max_model_len}
 
-    async def _generate(self, request_id: str, prepared: Prepared, params: SamplingParams, builder: ResponseBuilder,
-                        stream: bool, json_mode: bool) -> Response:
+    async def _generate(self, request: Request, request_id: str, prepared: Prepared, params: SamplingParams,
+                        builder: ResponseBuilder, stream: bool, json_mode: bool) -> Response:
         engine = self.json_engine if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
                                   prepared.batch_id, stream=stream)
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([engine.stream(r) for r in requests])
-        gen = Generation(items, builder, self.metrics.request(json_mode), self.args.retry_after_s)
+        info = RequestInfo(request.method, request.url.path, request_id,
+                           sum(len(ids) for ids in prepared.prompt_token_ids), request.state.arrival)
+        request.state.access_info = info  # for the error answer's line, if the engine refuses (http_util)
+        gen = Generation(items, builder, self.metrics.request(json_mode, info), self.args.retry_after_s)
         try:
             await gen.first()
             if not stream:
