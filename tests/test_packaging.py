@@ -1,5 +1,6 @@
 """What a non-editable install (the KubeRay image's `pip install .`) must carry."""
 import fnmatch
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -96,3 +97,76 @@ def test_documented_make_targets_and_serve_targets_exist():
             assert source.is_file(), f"{page.name}: serve run {arg}: no module {module}"
             assert re.search(rf"^(def {attr}\b|{attr}\s*=)", source.read_text(), re.M), (
                 f"{page.name}: serve run {arg}: {module} defines no {attr}")
+
+
+def _documented_rayllm_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, verb, flags) for every `rayllm VERB ...` in the README, docs, Makefile and deploy/."""
+    sources = [ROOT / "Makefile", ROOT / "deploy" / "Dockerfile", *_doc_pages()]
+    found = []
+    for path in sources:
+        # In code: `rayllm serve ...`, a line of a code block, $(BIN)/rayllm, CMD ["rayllm", "serve"].
+        for verb, rest in re.findall(r"(?:^|[`/\"])rayllm[\",\s]+([a-z]+)\b([^`\n]*)", path.read_text(), re.M):
+            found.append((path.name, verb, re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)))
+    return found
+
+
+def test_documented_rayllm_commands_exist():
+    """Every `rayllm VERB` the docs, the Makefile and the Dockerfile give is a verb of the command,
+    and every flag given to it (serve, chat, complete, models) is one of that verb's flags."""
+    from serve_app.cli.main import build_parser
+
+    verbs = build_parser()._subparsers._group_actions[0].choices
+    commands = _documented_rayllm_commands()
+    assert {"serve", "chat", "complete", "bench", "batch", "models"} <= {verb for _, verb, _ in commands}, \
+        "docs/serving.md documents every verb"
+    for where, verb, flags in commands:
+        assert verb in verbs, f"{where}: rayllm {verb}: no such command"
+        if verb in ("bench", "batch"):  # their own CLIs (loadtest, serve_app.batch) parse the rest
+            continue
+        options = set(verbs[verb]._option_string_actions)
+        unknown = [f for f in flags if f not in options]
+        assert not unknown, f"{where}: rayllm {verb}: no such flags {unknown}"
+
+
+def test_wheel_installs_the_rayllm_command(tmp_path):
+    """`pip install .` without the Makefile: the built wheel carries the console script and the C
+    kernel sources, and `rayllm --help` / `rayllm serve --help` / `python -m engine` run from it.
+    The venv sees .venv's dependencies (a .pth line, not .venv's editable install of this checkout)."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("engine", "kernels", "serve_app", "loadtest"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
+                    str(src)], check=True, timeout=300, capture_output=True)
+    wheel = next(dist.glob("rayllm_serve-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("serve_app/cli/") for n in names) and any(n.startswith("kernels/") and n.endswith(".c")
+                                                                      for n in names)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "deps-from-dot-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, timeout=300, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def run(*argv) -> str:
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert run(python, "-c", "import serve_app; print(serve_app.__file__)").startswith(purelib)
+    assert "serve" in run(venv / "bin" / "rayllm", "--help")
+    assert "--max-num-seqs" in run(venv / "bin" / "rayllm", "serve", "--help")
+    assert "LlamaForCausalLM" in run(python, "-m", "engine")
