@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.executor.network_utils import free_port
 from serve_app.args import AppArgs
@@ -98,6 +99,30 @@ def test_busy_port_fails_in_one_line(tiny_llama):
 def test_cuda_without_a_gpu_fails_in_one_line(tiny_llama):
     done = run_fast_failure("serve", tiny_llama, "--device", "cuda", "--port", str(free_port()))
     assert_one_line_error(done, "device=cuda", "no CUDA GPU")
+
+
+def test_config_file_is_checked_before_ray_starts(tmp_path, tiny_llama):
+    config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
+    config["applications"][0]["args"]["model"] = str(tmp_path / "missing")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert_one_line_error(run_fast_failure("serve", "--config", str(path), "--port", str(free_port())), "missing")
+    config["applications"][0]["args"]["model"] = tiny_llama
+    path.write_text(yaml.safe_dump(config))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert_one_line_error(run_fast_failure("serve", "--config", str(path), "--port", str(port)), f"port {port}")
+    path.write_text("applications: 3\n")
+    assert_one_line_error(run_fast_failure("serve", "--config", str(path)), "not a Serve config file")
+
+
+def test_config_port_is_overridden_by_the_flag():
+    from serve_app.cli.serve_config import load_config
+
+    config = load_config(str(ROOT / "deploy" / "config.yaml"), None, 8123)
+    assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8123)
 
 
 # -- serving ------------------------------------------------------------------------------------
