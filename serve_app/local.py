@@ -22,26 +22,15 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from engine.executor.network_utils import free_port
 
+# The environment Serve's processes read at start: serve_app/serve_env.py, as `rayllm serve` sets it.
+from serve_app.serve_env import (CONTROL_LOOP_ENV, DRAINING_PERIOD_ENV, HIGH_THROUGHPUT_ENV,  # noqa: F401
+                                 apply, haproxy_private_env)
+
 if TYPE_CHECKING:  # importing Ray Serve reads its environment, which local_cluster sets first
     from ray.serve import Application
 
 APP_NAME = "llm"
-# Ray Serve's high-throughput mode (Ray docs: "Enable High Throughput on Ray Serve"), which
-# `make serve`, the Dockerfile and the RayService set too: HAProxy takes the HTTP port in place
-# of the Python ProxyActor and forwards to the Ingress replica's own HTTP server, and replicas
-# talk gRPC (about half the serving path's CPU per token: docs/benchmarks.md, "Serving
-# overhead"). Read by Ray's processes at start, so it is environment, not an app arg; a value
-# already set in the environment wins ("0" = off).
-HIGH_THROUGHPUT_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-# Serve's controller reconciles every 0.1 s by default and each pass costs CPU; autoscaling and
-# health checks work in seconds, so 0.5 s is enough (docs/benchmarks.md). `make serve`, the
-# Dockerfile and the RayService set it too; the environment wins.
-CONTROL_LOOP_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 METRICS_REPORT_INTERVAL_MS = 1000
-# A stopping direct-ingress replica stays reachable this long so that load balancers in front
-# can deregister it (Ray's default 30 s made every app deletion wait 30 s). Here HAProxy on the
-# same node is the only balancer, reloaded as the replica stops.
-DRAINING_PERIOD_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 RAY_METRICS_REPORT_INTERVAL_MS = 10_000  # Ray's own default: what `serve run` clusters have
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 _CALLER = "serve_app.local.caller"
@@ -63,11 +52,12 @@ def local_cluster(num_cpus: int | None = None, high_throughput: bool = True,
         raise RuntimeError("Ray is already initialized in this process: deploy into that cluster "
                            "(deployed_app) or shut it down first")
     saved_env = dict(os.environ)
-    # Inherited by the cluster this process starts; restored when it is shut down.
-    mode = HIGH_THROUGHPUT_ENV if high_throughput else dict.fromkeys(HIGH_THROUGHPUT_ENV, "0")
+    # Inherited by the cluster this process starts; restored when it is shut down. A value already in
+    # the environment wins, except that high_throughput=False forces Serve's Python proxy.
     haproxy_dir = tempfile.mkdtemp(prefix="haproxy-serve-")
-    os.environ.update({**_haproxy_private_env(haproxy_dir), **DRAINING_PERIOD_ENV, **CONTROL_LOOP_ENV, **os.environ,
-                       **mode})
+    for name, value in haproxy_private_env(haproxy_dir).items():
+        os.environ.setdefault(name, value)
+    apply(os.environ, high_throughput)
     # Replicas import serve_app from this checkout even when the package is not installed: in the
     # environment rather than a runtime_env, so that the workers Ray starts ahead of time serve
     # too (serve_app/batch/cluster.py).
@@ -127,18 +117,6 @@ def local_server(args: dict[str, Any], num_cpus: int | None = None, high_through
     with local_cluster(num_cpus, high_throughput, metrics_report_interval_ms) as url:
         deploy_app(args)
         yield url
-
-
-def _haproxy_private_env(state: str) -> dict[str, str]:
-    """HAProxy's files and side ports for this cluster only: its defaults (/tmp/haproxy-serve,
-    ports 8404 and 9101) would collide with a `make serve` running on the same machine."""
-    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{state}/haproxy.cfg",
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{state}/admin.sock",
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{state}/server-state",
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{state}/metrics.sock",
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
 
 
 class _Caller:
