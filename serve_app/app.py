@@ -22,7 +22,7 @@ from serve_app.guard.guardrails import Guardrails
 from serve_app.http.ingress import Ingress
 from serve_app.replica.client import LocalEngineFactory
 from serve_app.replica.engine_deployment import EngineDeployment
-from serve_app.replica.placement import engine_placement, resolve_device
+from serve_app.replica.placement import check_gpus, engine_placement, resolve_device
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
@@ -34,6 +34,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     with colocate_ingress one Ingress that starts its engine itself."""
     a = resolve_app_args(args)
     device = resolve_device(a.device)
+    check_gpus(device, a.tensor_parallel_size)
     if a.colocate_ingress:
         return Ingress.options(**colocated_options(a, device)).bind(None, None, a, LocalEngineFactory(a, device))
     engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)

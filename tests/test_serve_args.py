@@ -10,6 +10,7 @@ from ray.serve.schema import ServeDeploySchema
 from serve_app.app import build_app, colocated_options, deployment_names, engine_options, ingress_options
 from serve_app.args import parse_app_args
 from serve_app.guard.policy import GuardrailPolicy
+from serve_app.replica import placement
 from serve_app.replica.placement import engine_placement
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
@@ -41,6 +42,49 @@ def test_cli_strings_are_coerced():  # `serve run serve_app.app:build_app max_ba
                         "enable_prefix_caching": "false", "api_key": "k"})
     assert (a.max_batch_size, a.batch_wait_timeout_s, a.enable_prefix_caching, a.api_key) == (4, 0.01, False, "k")
     assert a.model_name == "m"
+
+
+def _gpu_nodes(monkeypatch, gpus_per_node: list[float], started_here: bool = True) -> None:
+    """A connected Ray cluster of these nodes, started by this process or not."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": g} if g else
+                                                {"CPU": 8.0}} for g in gpus_per_node])
+    monkeypatch.setattr(placement, "_started_ray_here", lambda: started_here)
+
+
+def test_cuda_on_a_machine_without_gpus_fails_at_build(monkeypatch, tiny_llama):
+    import ray
+    import torch
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # `serve run`: Ray starts after build_app, here
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match=r"^device='cuda' needs 1 GPU\(s\) on one node \(tensor_parallel_size=1\), "
+                                         r"but this machine has no GPU: serve with device='cpu'"):
+        build_app({"model": tiny_llama, "device": "cuda"})
+    monkeypatch.setenv("RAY_ADDRESS", "ray://elsewhere:10001")  # a cluster elsewhere: not ours to judge
+    placement.check_gpus("cuda", 1)
+
+
+def test_cuda_needs_the_tp_gpus_on_one_node_of_a_cluster_started_here(monkeypatch, tiny_llama):
+    _gpu_nodes(monkeypatch, [0.0])
+    with pytest.raises(ValueError, match=r"needs 1 GPU\(s\) .*, but the Ray cluster has no GPU"):
+        build_app({"model": tiny_llama, "device": "cuda"})
+    _gpu_nodes(monkeypatch, [1.0, 1.0])  # two GPUs, but never two on one node: TP=2 would wait forever
+    placement.check_gpus("cuda", 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\), but no node of the Ray cluster has more than 1:"):
+        build_app({"model": tiny_llama, "device": "cuda", "tensor_parallel_size": 2})
+    placement.check_gpus("cpu", 4)  # CPU replicas ask for no GPU
+
+
+def test_a_cluster_of_other_machines_may_still_get_a_gpu_node(monkeypatch, caplog):
+    """KubeRay: the GPU pods may still be scheduled, or an autoscaler start them: a warning, no error."""
+    _gpu_nodes(monkeypatch, [0.0], started_here=False)
+    with caplog.at_level("WARNING", logger=placement.logger.name):
+        placement.check_gpus("cuda", 2)
+    assert "wait until such a node joins" in caplog.text
 
 
 def test_engine_placement_cuda_tp():

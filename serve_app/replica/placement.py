@@ -29,6 +29,54 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
+def check_gpus(device: str, tensor_parallel_size: int) -> None:
+    """device='cuda': refuse, where the app is built, a replica that no node of this machine's
+    cluster can place; Serve would wait for its GPU bundles (one per TP rank, all on one node)
+    forever. ValueError naming the value. On a cluster of other machines (KubeRay) a GPU node
+    may still come (an autoscaler, a pod being scheduled): there it is a warning."""
+    if device != "cuda":
+        return
+    most, where, certain = max_gpus_per_node()
+    if most is None or most >= tensor_parallel_size:
+        return
+    problem = (f"device='cuda' needs {tensor_parallel_size} GPU(s) on one node "
+               f"(tensor_parallel_size={tensor_parallel_size}), but {where}")
+    if certain:
+        raise ValueError(f"{problem}: serve with device='cpu' (or 'auto'), or on a GPU machine")
+    logger.warning("%s: the engine replicas wait until such a node joins the cluster", problem)
+
+
+def max_gpus_per_node() -> tuple[float | None, str, bool]:
+    """The most GPUs one node has, where that was read, and whether no other node can join: true
+    for a cluster on this machine only (`serve run` starts one after building the app; a process
+    that started Ray itself, as `rayllm serve` and tests do). None: not known from here."""
+    import ray
+
+    if ray.is_initialized():
+        most = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+        where = "the Ray cluster has no GPU" if most == 0 else f"no node of the Ray cluster has more than {most:g}"
+        return most, where, _started_ray_here()
+    if os.environ.get("RAY_ADDRESS"):  # `serve run` will join a cluster elsewhere
+        return None, "", False
+    import torch  # `serve run` starts its cluster on this machine, with the GPUs torch sees here
+
+    count = torch.cuda.device_count()
+    return float(count), "this machine has no GPU" if count == 0 else f"this machine has {count}", True
+
+
+def _started_ray_here() -> bool:
+    """Whether this process started its Ray cluster (ray.init() with no address): one node, this
+    machine, no autoscaler. A process in a cluster (the Serve controller building a config's app)
+    or connected to one is not."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        return node is not None and node.head  # a connected process (driver or worker) has head=False
+    except Exception:  # noqa: BLE001 - another Ray layout: not known
+        return False
+
+
 def engine_placement(device: str, tensor_parallel_size: int, num_cpus: float) -> dict[str, Any]:
     """`ray_actor_options` + `placement_group_bundles` + strategy for one EngineDeployment replica."""
     if device == "cuda":
