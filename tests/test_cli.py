@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,7 +184,8 @@ def served(tiny_llama, tmp_path_factory, own_ray_cluster):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in LOCAL_SERVE_ENV}  # what rayllm sets, it sets
     with open(log, "w") as out:
-        proc = subprocess.Popen(rayllm("serve", tiny_llama, "--port", str(port), "--max-model-len", "256"),
+        # A short drain: a stream still running at SIGTERM is ended (error event + [DONE]) after 3 s.
+        proc = subprocess.Popen(rayllm("serve", tiny_llama, "--port", str(port), "--graceful-shutdown-timeout-s", "3"),
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     try:
         _wait_for_line(log, "rayllm: serving", proc, START_DEADLINE_S)
@@ -194,6 +196,21 @@ def served(tiny_llama, tmp_path_factory, own_ray_cluster):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
+
+
+def _read_stream(url: str, model: str, lines: list[str], started: threading.Event) -> None:
+    import httpx
+
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+    except httpx.HTTPError as e:
+        lines.append(f"cut: {e!r}")
+    started.set()
 
 
 def test_serve_answers_in_the_fast_shape_then_stops_on_sigterm(served, tiny_llama):
@@ -228,8 +245,17 @@ def test_serve_answers_in_the_fast_shape_then_stops_on_sigterm(served, tiny_llam
     models = subprocess.run(rayllm("models", "--url", url), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert models.stdout.split() == [name]
 
+    # SIGTERM while a stream runs: it finishes or ends with an error event, then [DONE], either way.
+    lines, started = [], threading.Event()
+    reader = threading.Thread(target=_read_stream, args=(url, name, lines, started))
+    reader.start()
+    assert started.wait(120), lines
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    reader.join(60)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2].removeprefix("data: "))
+    assert "error" in last or last["choices"][0]["finish_reason"] == "length", last
     assert "rayllm: stopped" in log.read_text()
     deadline = time.monotonic() + 30  # processes the raylet killed may take a moment to be reaped
     while (left := {p: c for p, c in processes.items() if _alive(p, c)}) and time.monotonic() < deadline:

@@ -85,6 +85,12 @@ def running_cluster(http_options: dict, proxy_location: str | None = None) -> It
         say("stopping: in-flight requests drain (up to the app's graceful_shutdown_timeout_s), then Ray stops")
         started = time.monotonic()
         with contextlib.suppress(Exception):
+            # The apps first: their replicas drain while the proxy (HAProxy) still carries their
+            # streams. serve.shutdown() alone stops the proxies in the same pass as the replicas,
+            # which cuts every in-flight response at once.
+            for name in serve.status().applications:
+                serve.delete(name)
+        with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
         say(f"stopped in {time.monotonic() - started:.1f} s")
