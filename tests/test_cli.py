@@ -74,6 +74,22 @@ def test_bad_json_names_the_flag():
         app_args_from(ns, AppArgs)
 
 
+@pytest.mark.parametrize("gpu, given, device, colocated", [
+    (False, {}, "cpu", True),                                   # a CPU box: one colocated deployment
+    (True, {}, "cuda", False),                                  # a GPU host: three deployments
+    (True, {"colocate_ingress": "true"}, "cuda", "true"),       # the user decides
+    (True, {"device": "cpu"}, "cpu", True),
+    (False, {"ingress_replicas": "2"}, "cpu", False),           # several Ingress replicas: not colocated
+])
+def test_shape_follows_the_hardware_unless_told(monkeypatch, gpu, given, device, colocated):
+    from serve_app.cli import serve
+
+    monkeypatch.setattr(serve, "has_gpu", lambda: gpu)
+    monkeypatch.setattr(serve, "check_device", lambda d: None)
+    args = serve.choose_shape({"model": "m", **given})
+    assert (args["device"], args["colocate_ingress"]) == (device, colocated)
+
+
 # -- failing before Ray starts ------------------------------------------------------------------
 def test_missing_model_path_fails_in_one_line(tmp_path):
     missing = str(tmp_path / "no-such-model")

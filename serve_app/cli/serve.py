@@ -65,7 +65,8 @@ def choose_shape(args: dict[str, Any]) -> dict[str, Any]:
         device = "cuda" if has_gpu() else "cpu"
     check_device(device)
     args = {**args, "device": device}
-    args.setdefault("colocate_ingress", device == "cpu")
+    # Colocated has one Ingress per engine replica: not with --ingress-replicas.
+    args.setdefault("colocate_ingress", device == "cpu" and "ingress_replicas" not in args)
     return args
 
 
@@ -77,8 +78,7 @@ def describe_shape(device: str, colocated: Any) -> str:
 def serve_app(args: dict[str, Any], host: str, port: int, high_throughput: bool, shape: str,
               api_key: str | None) -> int:
     """Start Ray and Serve, deploy `args`, print the ready lines, serve until a signal; exit status."""
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    mode = "HAProxy" if high_throughput else "Python proxy"
+    url, mode = server.local_url(host, port), server.proxy_name(high_throughput)
     with server.serve_environment(high_throughput) as env:
         try:
             with server.running_cluster({"host": host, "port": port}):

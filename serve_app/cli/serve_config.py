@@ -40,8 +40,7 @@ def run_config(ns: argparse.Namespace) -> int:
         check_app_args(dict(app.args or {}))
     host, port = config.http_options.host, config.http_options.port
     check_port_free(host, port)
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    high_throughput = not ns.python_proxy
+    url, high_throughput = server.local_url(host, port), not ns.python_proxy
     with server.serve_environment(high_throughput) as env:
         try:
             with server.running_cluster(config.http_options.model_dump(), config.proxy_location):
@@ -51,8 +50,8 @@ def run_config(ns: argparse.Namespace) -> int:
                     prefix = (app.route_prefix or "/").rstrip("/")
                     key = (app.args or {}).get("api_key") if app in ours else None
                     name = server.wait_for_http(url + prefix, key, lambda a=app.name: server.app_failure(a))
-                    mode = "HAProxy" if high_throughput else "Python proxy"
-                    server.print_ready(url + prefix, name, f"app {app.name}, {mode}", env, key)
+                    server.print_ready(url + prefix, name, f"app {app.name}, {server.proxy_name(high_throughput)}",
+                                       env, key)
                 server.wait_for_signal()
         except (server.Stop, KeyboardInterrupt):
             return 0

@@ -38,6 +38,15 @@ def _already_stopping(signum, frame):
     print("rayllm: already stopping (draining in-flight requests)", file=sys.stderr, flush=True)
 
 
+def local_url(host: str, port: int) -> str:
+    """Where this machine reaches a server listening on host:port."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+
+
+def proxy_name(high_throughput: bool) -> str:
+    return "HAProxy" if high_throughput else "Python proxy"
+
+
 def say(message: str) -> None:
     print(f"rayllm: {message}", flush=True)
 
