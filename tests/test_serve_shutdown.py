@@ -11,6 +11,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -96,6 +97,17 @@ def test_deleting_the_app_ends_running_requests_with_an_error(ray_cluster, long_
     # Ended by the replica's abort, not cut by Serve's kill at GRACE_S (which sends no error at all).
     assert ended_s < GRACE_S
     assert deleted.is_set()
+    # The access log, in Serve's high-throughput mode, flushed before the replica went away.
+    lines = _replica_log_lines(name, "Ingress", f" -- POST /{name}/v1/completions 503 prompt_tokens=")
+    assert len(lines) == 2 and all("completion_tokens=" in line and "Once upon" not in line for line in lines)
+
+
+def _replica_log_lines(app: str, deployment: str, needle: str) -> list[str]:
+    from ray._private.worker import _global_node
+
+    logs = Path(_global_node.get_session_dir_path()) / "logs" / "serve"
+    return [line for path in logs.glob(f"replica_{app}_{deployment}_*.log")
+            for line in path.read_text().splitlines() if needle in line]
 
 
 # -- the timing, without Ray ----------------------------------------------------------------------

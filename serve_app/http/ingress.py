@@ -42,6 +42,7 @@ from engine.entrypoints.prompts import load_tokenizer
 from engine.sampling_params import SamplingParams
 from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
 from serve_app.replica.client import LocalEngineFactory, RemoteEngine, merge_streams
+from serve_app.replica.draining import flush_serve_logs
 from serve_app.http.errors import (OpenAIError, from_validation_error, from_value_error, model_not_found,
                               overloaded)
 from serve_app.http.http_util import check_api_key, error_response, install_error_handlers, read_body
@@ -312,3 +313,4 @@ class Ingress:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        flush_serve_logs()  # the last access-log lines

@@ -84,3 +84,11 @@ async def abort_when_stopping(is_stopping: Callable[[], bool], policy: DrainPoli
     await asyncio.sleep(policy.abort_after_s)
     logger.info("replica stopping: aborting %d requests still in flight", num_in_flight())
     await abort_all()
+
+
+def flush_serve_logs() -> None:
+    """Write out the replica's buffered log records: in the high-throughput mode Serve buffers
+    1000 of them (RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE) and kills the replica after __del__,
+    so the last lines (the access log's, the stop's own) would be lost with the buffer."""
+    for handler in logging.getLogger("ray.serve").handlers:
+        handler.flush()

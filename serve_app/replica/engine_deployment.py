@@ -35,7 +35,7 @@ from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.errors import stream_error
 from serve_app.http.messages import Delta, EngineRequest, ErrorKind, StreamError, StreamItem
 from serve_app.metrics import EngineMetrics, record_engine_metrics
-from serve_app.replica.draining import DrainPolicy, abort_when_stopping, serve_stop_probe
+from serve_app.replica.draining import DrainPolicy, abort_when_stopping, flush_serve_logs, serve_stop_probe
 from serve_app.replica.placement import expose_bundle_gpus, use_cpu_threads
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -151,6 +151,7 @@ class EngineDeployment:
         # Serve calls this once the replica has drained (abort_when_stopping aborted what would not
         # end in time); anything still in flight gets finish_reason "abort", reported as SHUTDOWN_MESSAGE.
         self.shutdown()
+        flush_serve_logs()
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
