@@ -260,6 +260,12 @@ def test_serve_answers_in_the_fast_shape_then_stops_on_sigterm(served, tiny_llam
     assert_one_line_error(second, "in use")
     models = subprocess.run(rayllm("models", "--url", url), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert models.stdout.split() == [name]
+    complete = subprocess.run(rayllm("complete", "Hello", "--url", url, "--max-tokens", "3", "--temperature", "0"),
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert complete.returncode == 0 and complete.stdout.strip(), complete.stderr
+    chat = subprocess.run(rayllm("chat", "--url", url, "--max-tokens", "3"), input="hi\n/reset\nagain\n",
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert chat.returncode == 0 and chat.stdout.strip() and not chat.stderr, (chat.stdout, chat.stderr)
 
     # SIGTERM while a stream runs: it finishes or ends with an error event, then [DONE], either way.
     lines, started = [], threading.Event()
