@@ -158,6 +158,20 @@ def test_abort_all_ends_running_requests_and_refuses_new_ones():
     assert not dep._request_ids
 
 
+def test_a_request_that_slips_past_abort_all_is_aborted_at_its_first_item():
+    dep = _deployment(AbortableLLM())
+    generate = dep.llm.generate
+
+    async def late_generate(*args, **kwargs):
+        dep._refusing = True  # abort_all() went by while this request was on its way into the engine
+        async for out in generate(*args, **kwargs):
+            yield out
+    dep.llm.generate = late_generate
+    items = _run(dep)
+    assert dep.llm.aborted_ids == ["r"]
+    assert items[-1].finished and items[-1].error.message == SHUTDOWN_MESSAGE
+
+
 def test_check_health_fails_when_the_loop_died():
     asyncio.run(_deployment(FakeLLM()).check_health())
     with pytest.raises(EngineDeadError):

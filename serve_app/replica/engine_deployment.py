@@ -88,6 +88,8 @@ class EngineDeployment:
                     if not streaming:
                         streaming = True
                         self._num_streaming += 1
+                        if self._refusing:  # reached the engine just after abort_all() went by
+                            await self.llm.abort(request.request_id)
                     yield item
         finally:
             self._request_ids.discard(request.request_id)
