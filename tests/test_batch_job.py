@@ -162,10 +162,13 @@ def test_processor_api_with_preprocess_and_postprocess(ray_cluster, tiny_llama, 
                                             id_column="key"),
                                 preprocess=lambda row: {**row, "word": "x" * (row["n"] + 1)},
                                 postprocess=lambda row: {"short": row["text"][:3], "n_plus": row["n"] + 1})
-    rows = sorted(processor(ds).take_all(), key=lambda r: r["id"])
+    try:
+        rows = sorted(processor(ds).take_all(), key=lambda r: r["id"])
+        assert processor.num_retries == 0
+    finally:
+        processor.shutdown()  # its engine actor holds a CPU of the shared cluster until then
     assert [r["prompt"] for r in rows] == ["number x", "number xx", "number xxx", "number xxxx"]
     assert all(r["short"] == r["text"][:3] and r["n_plus"] == r["n"] + 1 for r in rows)
-    assert processor.num_retries == 0
 
 
 class _DiesOnce(EngineStage):
