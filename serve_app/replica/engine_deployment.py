@@ -64,7 +64,7 @@ class EngineDeployment:
         self.metrics = EngineMetrics(args.metrics_prefix, args.model_name, cfg.max_model_len)
         self._metrics_task: asyncio.Task | None = None  # started on the replica's loop by the first call
         self._drain_watched = False  # abort_when_stopping started (by the first call, on the replica's loop)
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None  # held here: the loop keeps tasks by weak reference only
         logger.info("engine replica %s ready: max_model_len=%d", self._replica, cfg.max_model_len)
 
     # -- requests -------------------------------------------------------------------
