@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"rayllm {ns.verb}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before anything needed stopping
+        return 130
 
 
 def console_main() -> None:

@@ -27,7 +27,7 @@ _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class Stop(BaseException):
-    """Raised in the main thread by SIGTERM (SIGINT raises KeyboardInterrupt): stop serving."""
+    """Raised in the main thread by SIGTERM or SIGINT: stop serving."""
 
 
 def _raise_stop(signum, frame):
@@ -79,8 +79,10 @@ def running_cluster(http_options: dict, proxy_location: str | None = None) -> It
     from ray import serve
 
     ray.init(include_dashboard=False, log_to_driver=True, namespace="serve")
-    # After ray.init, which installs its own SIGTERM handler (sys.exit without stopping Serve).
+    # After ray.init, which installs its own SIGTERM handler (sys.exit without stopping Serve). SIGINT
+    # too: a process started in the background by a shell inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
     try:
         try:
             serve.start(http_options=http_options, **({"proxy_location": proxy_location} if proxy_location else {}))
@@ -147,6 +149,6 @@ def print_ready(url: str, model_name: str, shape: str, env: dict[str, str], api_
 
 
 def wait_for_signal() -> None:
-    """Sleep until SIGTERM (Stop) or SIGINT (KeyboardInterrupt) arrives."""
+    """Sleep until SIGTERM or SIGINT (Stop) arrives."""
     while True:
         signal.pause()
