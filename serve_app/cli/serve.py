@@ -98,6 +98,10 @@ def _deploy(args: dict[str, Any]) -> None:
     from serve_app.app import build_app
 
     try:
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")  # returns once the replicas are up
-    except (RuntimeError, ValueError) as e:
-        raise CliError(f"the app failed to start: {server.last_line(str(e))}") from None
+        app = build_app(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/")  # returns once the replicas are up
+    except RuntimeError:
+        raise CliError(server.failure_reason(APP_NAME)) from None

@@ -131,7 +131,21 @@ def app_failure(app_name: str) -> str | None:
     status = serve.status().applications.get(app_name)
     if status is None or status.status not in ("DEPLOY_FAILED", "UNHEALTHY"):
         return None
-    return f"the app failed to start: {last_line(status.message)}"
+    return failure_reason(app_name)
+
+
+def failure_reason(app_name: str) -> str:
+    """One line: why the app failed, from its failing deployment's message (the replica's last
+    exception line: in the high-throughput mode replicas do not log to the terminal)."""
+    from ray import serve
+
+    with contextlib.suppress(Exception):
+        status = serve.status().applications[app_name]
+        for name, deployment in status.deployments.items():
+            if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY") and deployment.message:
+                return f"the app failed to start: {name}: {last_line(deployment.message)}"
+        return f"the app failed to start: {last_line(status.message)}"
+    return "the app failed to start (logs: /tmp/ray/session_latest/logs/serve)"
 
 
 def last_line(message: str) -> str:
