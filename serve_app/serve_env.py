@@ -12,7 +12,7 @@ turns a setting off without an edit.
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 from engine.executor.network_utils import free_port
 

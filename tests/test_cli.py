@@ -50,7 +50,7 @@ def assert_one_line_error(done: subprocess.CompletedProcess, *words: str) -> Non
 # -- flags ------------------------------------------------------------------------------------
 def test_every_app_arg_is_a_serve_flag_with_its_default():
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
-    for name, info in AppArgs.model_fields.items():
+    for name in AppArgs.model_fields:
         if name != "model":
             assert f"--{name.replace('_', '-')}" in help_text, name
     assert "--max-num-seqs INT [default: 256]" in help_text

@@ -47,7 +47,7 @@ def test_makefile_serves_through_rayllm_with_serve_env():
 
 
 def test_local_cluster_uses_the_same_declaration():
-    import serve_app.local as local
+    from serve_app import local
 
     assert local.HIGH_THROUGHPUT_ENV == HIGH_THROUGHPUT_ENV
     assert local.CONTROL_LOOP_ENV == CONTROL_LOOP_ENV

@@ -16,8 +16,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from serve_app import serve_env
 from serve_app.cli.preflight import CliError
