@@ -33,6 +33,8 @@ def add_parser(subparsers) -> None:
                    help="run a Ray Serve config file (deploy/config.yaml) with the same environment, in place of MODEL")
     p.add_argument("--python-proxy", action="store_true",
                    help="Serve's Python proxy instead of its high-throughput mode (HAProxy, gRPC between replicas)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start Ray's dashboard too (127.0.0.1:8265: the web UI, `serve status`); off: less CPU")
     add_app_flags(p, AppArgs)
     p.set_defaults(run=run)
 
@@ -48,12 +50,12 @@ def run(ns: argparse.Namespace) -> int:
 
     args = {**app_args_from(ns, AppArgs), "model": ns.model}
     check_app_args(args)  # the checkpoint first: the commonest mistake, and no torch import needed
-    host, port = ns.host or "127.0.0.1", ns.port or 8000
-    check_port_free(host, port)
+    options = server.ServerOptions.from_flags(ns, ns.host or "127.0.0.1", ns.port or 8000)
+    check_port_free(options.host, options.port)
     args = choose_shape(args)
     app_args = check_app_args(args)
-    return serve_app(args, host, port, not ns.python_proxy,
-                     describe_shape(app_args.device, app_args.colocate_ingress), app_args.api_key)
+    return serve_app(args, options, describe_shape(app_args.device, app_args.colocate_ingress), app_args.api_key)
+
 
 
 def choose_shape(args: dict[str, Any]) -> dict[str, Any]:
@@ -75,17 +77,16 @@ def describe_shape(device: str, colocated: Any) -> str:
     return f"device {device}, {deployments}"
 
 
-def serve_app(args: dict[str, Any], host: str, port: int, high_throughput: bool, shape: str,
-              api_key: str | None) -> int:
+def serve_app(args: dict[str, Any], options: server.ServerOptions, shape: str, api_key: str | None) -> int:
     """Start Ray and Serve, deploy `args`, print the ready lines, serve until a signal; exit status."""
-    url, mode = server.local_url(host, port), server.proxy_name(high_throughput)
-    with server.serve_environment(high_throughput) as env:
+    shape = f"{shape}, {options.proxy_name}"
+    with server.serve_environment(options.high_throughput) as env:
         try:
-            with server.running_cluster({"host": host, "port": port}):
-                server.say(f"loading model {args['model']} ({shape}, {mode})")
+            with server.running_cluster(options):
+                server.say(f"loading model {args['model']} ({shape})")
                 _deploy(args)
-                name = server.wait_for_http(url, api_key, lambda: server.app_failure(APP_NAME))
-                server.print_ready(url, name, f"{shape}, {mode}", env, api_key)
+                name = server.wait_for_http(options.url, api_key, lambda: server.app_failure(APP_NAME))
+                server.print_ready(options.url, name, shape, env, api_key)
                 server.wait_for_signal()
         except (server.Stop, KeyboardInterrupt):
             return 0

@@ -38,20 +38,19 @@ def run_config(ns: argparse.Namespace) -> int:
     # Relative model paths are relative to the directory serve runs in: check them from there.
     for app in ours:
         check_app_args(dict(app.args or {}))
-    host, port = config.http_options.host, config.http_options.port
-    check_port_free(host, port)
-    url, high_throughput = server.local_url(host, port), not ns.python_proxy
-    with server.serve_environment(high_throughput) as env:
+    options = server.ServerOptions.from_flags(ns, config.http_options.host, config.http_options.port)
+    check_port_free(options.host, options.port)
+    url = options.url
+    with server.serve_environment(options.high_throughput) as env:
         try:
-            with server.running_cluster(config.http_options.model_dump(), config.proxy_location):
+            with server.running_cluster(options, config.http_options.model_dump(), config.proxy_location):
                 server.say(f"loading {len(config.applications)} app(s) from {ns.config}")
                 _deploy(config)
                 for app in config.applications:
                     prefix = (app.route_prefix or "/").rstrip("/")
                     key = (app.args or {}).get("api_key") if app in ours else None
                     name = server.wait_for_http(url + prefix, key, lambda a=app.name: server.app_failure(a))
-                    server.print_ready(url + prefix, name, f"app {app.name}, {server.proxy_name(high_throughput)}",
-                                       env, key)
+                    server.print_ready(url + prefix, name, f"app {app.name}, {options.proxy_name}", env, key)
                 server.wait_for_signal()
         except (server.Stop, KeyboardInterrupt):
             return 0

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app import serve_env
@@ -38,13 +39,28 @@ def _already_stopping(signum, frame):
     print("rayllm: already stopping (draining in-flight requests)", file=sys.stderr, flush=True)
 
 
-def local_url(host: str, port: int) -> str:
-    """Where this machine reaches a server listening on host:port."""
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+@dataclass(frozen=True)
+class ServerOptions:
+    """How `rayllm serve` runs Serve, whatever the app."""
 
+    host: str = "127.0.0.1"       # where Serve's proxy listens
+    port: int = 8000
+    high_throughput: bool = True  # HAProxy + gRPC (serve_env.HIGH_THROUGHPUT_ENV); False: Serve's Python proxy
+    dashboard: bool = False       # Ray's dashboard (the web UI, `serve status`): a process and a port more
 
-def proxy_name(high_throughput: bool) -> str:
-    return "HAProxy" if high_throughput else "Python proxy"
+    @classmethod
+    def from_flags(cls, ns, host: str, port: int) -> "ServerOptions":
+        """From `rayllm serve`'s flags; host and port as resolved (flag, config file or default)."""
+        return cls(host=host, port=port, high_throughput=not ns.python_proxy, dashboard=ns.dashboard)
+
+    @property
+    def url(self) -> str:
+        """Where this machine reaches the server."""
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
+
+    @property
+    def proxy_name(self) -> str:
+        return "HAProxy" if self.high_throughput else "Python proxy"
 
 
 def say(message: str) -> None:
@@ -72,13 +88,16 @@ def serve_environment(high_throughput: bool) -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def running_cluster(http_options: dict, proxy_location: str | None = None) -> Iterator[None]:
+def running_cluster(options: ServerOptions, http_options: dict | None = None,
+                    proxy_location: str | None = None) -> Iterator[None]:
     """Ray (this process its driver) and Serve's controller and proxy; both shut down after, with
-    SIGTERM and SIGINT ignored meanwhile, so a second signal cannot cut the drain short."""
+    SIGTERM and SIGINT ignored meanwhile, so a second signal cannot cut the drain short.
+    http_options: Serve's (a config file's), else options' host and port."""
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, log_to_driver=True, namespace="serve")
+    http_options = {**(http_options or {}), "host": options.host, "port": options.port}
+    ray.init(include_dashboard=options.dashboard, log_to_driver=True, namespace="serve")
     # After ray.init, which installs its own SIGTERM handler (sys.exit without stopping Serve). SIGINT
     # too: a process started in the background by a shell inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_stop)
