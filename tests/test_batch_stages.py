@@ -85,6 +85,16 @@ def test_batches_failing_together_are_retried_on_one_fresh_engine(tiny_llama):
     assert "prompt_token_ids" not in out[0] and out[0]["num_generated_tokens"] == len(expected[0].outputs[0].token_ids)
 
 
+def test_a_stage_with_a_retry_counter_builds_in_a_driver_that_runs_ray(ray_cluster, tiny_llama):
+    """Ray started in this process (a driver, not an actor): asking whether the actor was restarted
+    must answer "no", not fail the stage's constructor."""
+    stage = EngineStage(BatchConfig(model=tiny_llama, max_tokens=2), retry_counter=_Counter())
+    try:
+        assert stage.llm.is_running
+    finally:
+        stage.llm.shutdown()
+
+
 def test_a_batch_failing_every_attempt_fails(tiny_llama):
     stage = EngineStage(BatchConfig(model=tiny_llama, max_tokens=2, max_batch_retries=0))
     asyncio.run(fail_next_step(stage.llm, RuntimeError("boom")))

@@ -138,6 +138,9 @@ def test_wheel_installs_the_rayllm_command(tmp_path):
     import sysconfig
     import zipfile
 
+    # No PYTHONPATH in any step (a Ray cluster started earlier in this session sets it to the checkout):
+    # pip would see the checkout's egg-info as rayllm-serve installed already and skip the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -146,20 +149,19 @@ def test_wheel_installs_the_rayllm_command(tmp_path):
         shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    str(src)], check=True, timeout=300, capture_output=True)
+                    str(src)], check=True, timeout=300, capture_output=True, env=env)
     wheel = next(dist.glob("rayllm_serve-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("serve_app/cli/") for n in names) and any(n.startswith("kernels/") and n.endswith(".c")
                                                                       for n in names)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120, env=env)
     python = venv / "bin" / "python"
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+                             check=True, capture_output=True, text=True, env=env).stdout.strip()
     Path(purelib, "deps-from-dot-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
-                   check=True, timeout=300, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                   check=True, timeout=300, capture_output=True, env=env)
 
     def run(*argv) -> str:
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -106,6 +106,11 @@ def _num_cancelled(http) -> float:
     return _metric(http, "ray_rayllm_requests_total", default=0.0, status="499")
 
 
+def _num_finished(http, reason: str) -> float:
+    """Engine requests finished so far with this finished_reason (stop|length|abort)."""
+    return _metric(http, "ray_rayllm_request_success_total", default=0.0, finished_reason=reason)
+
+
 def _wait_engine_idle(http, within_s: float) -> float:
     """Seconds until no request runs or waits and the KV cache is empty; fails after `within_s`."""
     start = time.monotonic()
@@ -276,15 +281,20 @@ def _disconnect_stream(http):
 
 @pytest.mark.parametrize("batching", [True, False])
 def test_disconnected_stream_frees_the_engine(http, app_name, batching):
+    """Aborted, not run out: the engine finishes the request as "abort", never "length". Told apart
+    by its finish reason, not by a deadline, so the test holds however fast or slow the box is."""
     reconfigure_ingress(app_name, DEFAULT_BATCHING if batching else {**DEFAULT_BATCHING, "max_batch_size": 1})
     try:
         cancelled = _num_cancelled(http)
+        aborted, ran_out = _num_finished(http, "abort"), _num_finished(http, "length")
         _disconnect_stream(http)
         # cut short, not finished; then freed (both seen through the metrics' ~2 s publishing delay)
         _wait_metric(http, "ray_rayllm_requests_total", lambda v: v >= cancelled + 1, status="499")
-        assert _wait_engine_idle(http, within_s=5.0) < 5.0
+        _wait_metric(http, "ray_rayllm_request_success_total", lambda v: v >= aborted + 1, finished_reason="abort")
+        assert _wait_engine_idle(http, within_s=60.0) < 60.0
         time.sleep(2.5)
         assert _num_cancelled(http) == cancelled + 1
+        assert _num_finished(http, "length") == ran_out
     finally:
         reconfigure_ingress(app_name, DEFAULT_BATCHING)
 

@@ -291,4 +291,9 @@ def batch_key(ids: list[Any]) -> str:
 def _restarted_actor() -> bool:
     """Whether this process is an engine actor that Ray restarted after it died."""
     import ray
-    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    # A driver (Ray started in this process, an EngineStage built outside an actor) has no actor
+    # id, and Ray asserts instead of answering False when asked whether it was reconstructed.
+    return context.get_actor_id() is not None and context.was_current_actor_reconstructed
