@@ -14,6 +14,7 @@ Production code has no test entry point, so the fault comes in from here:
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import pickle
 
@@ -34,6 +35,17 @@ async def fail_next_step(llm, error: BaseException) -> None:
         raise TypeError("fail_next_step needs AsyncLLM(engine_process=True, engine_core_class=StepFaultEngineCore)")
     # Wakes an idle loop; a StepFaultEngineCore reads the error from the id.
     await llm.abort(_FAIL_NEXT_STEP + base64.b64encode(pickle.dumps(error)).decode())
+
+
+async def drain_all(streams, timeout_s: float) -> list:
+    """Read each AsyncLLM stream to its end, together; each one's last item or the error that ended it.
+    Fails (asyncio.TimeoutError) if they have not all ended within timeout_s: a waiter left hanging."""
+    async def drain(stream):
+        item = None
+        async for item in stream:
+            pass
+        return item
+    return await asyncio.wait_for(asyncio.gather(*map(drain, streams), return_exceptions=True), timeout_s)
 
 
 def _patch_step(engine, error: BaseException) -> None:

@@ -6,7 +6,7 @@ import pytest
 from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
 from engine.entrypoints.async_llm import EngineDeadError
 from engine.errors import InvalidRequestError, PromptTooLongError
-from tests.faults import fail_next_step
+from tests.faults import drain_all, fail_next_step
 
 
 @pytest.fixture
@@ -260,11 +260,7 @@ def test_tp_worker_death_fails_every_waiter_within_5s_and_health(tiny_llama):
             await s.__anext__()  # every request is running
         os.kill(llm.engine.executor.worker_pids[0], signal.SIGKILL)
         t0 = time.monotonic()
-
-        async def drain(s):
-            async for _ in s:
-                pass
-        results = await asyncio.wait_for(asyncio.gather(*map(drain, streams), return_exceptions=True), 10)
+        results = await drain_all(streams, timeout_s=10)
         assert time.monotonic() - t0 < 5
         assert all(isinstance(r, EngineDeadError) and "rank 1" in str(r) for r in results), results
         with pytest.raises(EngineDeadError):

@@ -11,7 +11,7 @@ from engine import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
 from engine.core.engine_core import PromptCache
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
-from tests.faults import StepFaultEngineCore, fail_next_step
+from tests.faults import StepFaultEngineCore, drain_all, fail_next_step
 
 DELTA = dict(temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
@@ -184,11 +184,7 @@ def test_a_dead_engine_process_fails_every_waiter(faulty_proc_llm, fault, messag
         else:  # the fault the serving fault tests inject: the step loop raises
             await fail_next_step(proc_llm, RuntimeError("injected in the step loop"))
         t0 = time.monotonic()
-
-        async def drain(s):
-            async for _ in s:
-                pass
-        results = await asyncio.wait_for(asyncio.gather(*map(drain, streams), return_exceptions=True), 10)
+        results = await drain_all(streams, timeout_s=10)
         assert time.monotonic() - t0 < 5
         assert all(isinstance(r, EngineDeadError) and message in str(r) for r in results), results
         with pytest.raises(EngineDeadError):
