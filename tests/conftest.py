@@ -37,6 +37,19 @@ def tiny_qwen3(tmp_path_factory):
     return _build(tmp_path_factory, "qwen3")
 
 
+# The tools-aware checkpoint: Qwen3 with a Hermes-style template (tests/fixtures) and Qwen's tool-call
+# and thinking markers as single tokens, as the tool-call and reasoning parsers expect them.
+TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen_tools_chat_template.jinja")
+TOOLS_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tools(tmp_path_factory):
+    with open(TOOLS_TEMPLATE) as f:
+        template = f.read()
+    return _build(tmp_path_factory, "qwen3", chat_template=template, added_tokens=TOOLS_TOKENS)
+
+
 class SharedCluster:
     """The suite's Ray cluster with Serve (serve_app.local.local_cluster), started by the first module
     that asks for it. Each module deploys its own app into it (deployed_app: its own name and route

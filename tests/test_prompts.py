@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.entrypoints.prompts import (ModelLimits, add_special_tokens, check_not_empty, check_prompt, encode,
-                                        has_chat_template, load_tokenizer, render_chats)
+from engine.entrypoints.prompts import (ModelLimits, add_special_tokens, check_chat_template_kwargs, check_not_empty,
+                                        check_prompt, encode, has_chat_template, load_tokenizer, render_chats)
 from engine.errors import InvalidRequestError, PromptTooLongError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +61,67 @@ def test_no_chat_template_is_an_error_for_each_conversation(tiny_qwen2):
     out = render_chats(tok, [CHAT, OTHER])
     assert [str(e) for e in out] == ["the model has no chat template"] * 2
     assert all(isinstance(e, InvalidRequestError) for e in out)
+
+
+# -- tools and template variables (the tools-aware checkpoint, tests/fixtures/qwen_tools_chat_template.jinja) --
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+ASKED = [{"role": "user", "content": "Weather in Paris?"}]
+# An agent's history: the assistant called a tool (arguments as JSON text, OpenAI's form), the tool answered.
+HISTORY = [*ASKED, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+@pytest.fixture(scope="module")
+def tools_tok(tiny_qwen3_tools):
+    return load_tokenizer(tiny_qwen3_tools)
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(tools_tok):
+    (text,) = render_chats(tools_tok, [ASKED], tools=[WEATHER])
+    assert text == tools_tok.apply_chat_template(ASKED, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert text.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    assert "<tools>" not in render_chats(tools_tok, [ASKED])[0]  # no tools, no tool prompt
+
+
+def test_tool_calls_and_tool_results_are_rendered(tools_tok):
+    (text,) = render_chats(tools_tok, [HISTORY], tools=[WEATHER])
+    # The template gets the arguments as an object (templates tojson them): the same text either way.
+    as_object = [*ASKED, {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}, HISTORY[2]]
+    assert text == tools_tok.apply_chat_template(as_object, tools=[WEATHER], add_generation_prompt=True,
+                                                 tokenize=False)
+    assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                         '\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>'
+                         '<|im_end|>\n<|im_start|>assistant\n')
+    bad = [*ASKED, {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": "{not json"}}]}]
+    out = render_chats(tools_tok, [bad, ASKED], tools=[WEATHER])
+    assert isinstance(out[0], InvalidRequestError) and "arguments is not JSON" in str(out[0])
+    assert isinstance(out[1], str)  # the other conversation is rendered all the same
+
+
+def test_chat_template_kwargs_reach_the_template(tools_tok):
+    (off,) = render_chats(tools_tok, [ASKED], chat_template_kwargs={"enable_thinking": False})
+    assert off == tools_tok.apply_chat_template(ASKED, add_generation_prompt=True, tokenize=False,
+                                                enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not render_chats(tools_tok, [ASKED])[0].endswith("</think>\n\n")
+    for key in ("tokenize", "tools", "chat_template"):
+        with pytest.raises(InvalidRequestError, match=f"chat_template_kwargs.{key} cannot be set") as e:
+            check_chat_template_kwargs({key: True})
+        assert e.value.param == "chat_template_kwargs"
+        (refused,) = render_chats(tools_tok, [ASKED], chat_template_kwargs={key: True})
+        assert isinstance(refused, InvalidRequestError)
+
+
+def test_the_tool_and_thinking_markers_are_single_tokens_kept_by_decoding(tools_tok):
+    for marker in ("<tool_call>", "</tool_call>", "<think>", "</think>"):
+        (token_id,) = tools_tok.encode(marker, add_special_tokens=False)
+        assert tools_tok.decode([token_id], skip_special_tokens=True) == marker  # parsers see it in the text
 
 
 def test_special_tokens_a_plain_prompt_gets_and_a_rendered_chat_does_not(llama_tok):

@@ -72,20 +72,23 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the checkpoint's chat template (or `chat_template`), then generated as `generate`
-        does; one output per conversation, in order."""
+        does; one output per conversation, in order. `tools` (OpenAI function tools) and
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) reach the template, as in vLLM."""
         conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
         if not has_chat_template(tokenizer, chat_template):
             raise ValueError("the model has no chat template; pass chat_template= or use generate()")
         texts = render_chats(tokenizer, conversations, add_generation_prompt=add_generation_prompt,
-                             continue_final_message=continue_final_message, chat_template=chat_template)
+                             continue_final_message=continue_final_message, chat_template=chat_template,
+                             tools=tools, chat_template_kwargs=chat_template_kwargs)
         for i, text in enumerate(texts):
             if isinstance(text, InvalidRequestError):
                 raise InvalidRequestError(f"messages[{i}]: the chat template cannot render it: {text}",
-                                          param="messages") from text.__cause__
+                                          param=text.param) from text.__cause__
         # The special-token rule (engine/entrypoints/prompts.py): the template wrote the special
         # tokens (a BOS among them), so none are added; the server's chat route does the same.
         token_ids = encode(tokenizer, texts, chat=True)

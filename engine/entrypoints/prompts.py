@@ -16,8 +16,9 @@ transformers (whose AutoTokenizer imports torch whenever torch is installed) is 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from jinja2 import TemplateError
 
@@ -52,16 +53,39 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(resolve_model_path(model))
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (a client's
+# {"tokenize": true} would turn the text into ids; "tools" has a field of its own), only variables
+# the template reads (enable_thinking, ...).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 # -- chat templates ---------------------------------------------------------------------
 def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:
     """Whether a chat can be rendered: with the tokenizer's template, or the one given."""
     return chat_template is not None or getattr(tokenizer, "chat_template", None) is not None
 
 
+def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> None:
+    """Refuse keys that are apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS)."""
+    for key in kwargs or ():
+        if not isinstance(key, str) or key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(f"chat_template_kwargs.{key} cannot be set: it is an argument of the "
+                                      "template call itself, not a template variable", param="chat_template_kwargs")
+
+
 def render_chats(tokenizer, conversations: Sequence[Conversation], *, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False,
-                 chat_template: str | None = None) -> list[str | InvalidRequestError]:
+                 continue_final_message: bool = False, chat_template: str | None = None,
+                 tools: list[dict[str, Any]] | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> list[str | InvalidRequestError]:
     """Each conversation as the text the model sees, or the error saying why the template refused it.
+
+    `tools` (OpenAI's function tools) and `chat_template_kwargs` (template variables such as
+    `enable_thinking`) reach the template as transformers passes them. An assistant message's
+    `tool_calls[].function.arguments` given as JSON text (OpenAI's form) is handed to the
+    template as the object it encodes, which is what chat templates expect (they `tojson` it).
 
     One template call renders them all (the common case); only when it fails is each rendered
     alone, so a conversation the template refuses costs the others nothing. Without a template
@@ -69,12 +93,48 @@ def render_chats(tokenizer, conversations: Sequence[Conversation], *, add_genera
     """
     if not has_chat_template(tokenizer, chat_template):
         return [InvalidRequestError("the model has no chat template", param="messages")] * len(conversations)
-    flags = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-             "chat_template": chat_template}
     try:
-        return _apply_template(tokenizer, list(conversations), flags)
+        check_chat_template_kwargs(chat_template_kwargs)
+    except InvalidRequestError as e:
+        return [e] * len(conversations)
+    flags = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+             "continue_final_message": continue_final_message, "chat_template": chat_template}
+    if tools:
+        flags["tools"] = tools
+    prepared = [_template_messages(conversation) for conversation in conversations]
+    good = [c for c in prepared if not isinstance(c, InvalidRequestError)]
+    try:
+        rendered = iter(_apply_template(tokenizer, good, flags) if good else ())
     except _TEMPLATE_ERRORS:
-        return [_render_one(tokenizer, conversation, flags) for conversation in conversations]
+        rendered = (_render_one(tokenizer, conversation, flags) for conversation in good)
+    return [c if isinstance(c, InvalidRequestError) else next(rendered) for c in prepared]
+
+
+def _template_messages(conversation: Conversation) -> Conversation | InvalidRequestError:
+    """The conversation with tool-call arguments as objects (a copy where any changed), or why not."""
+    if not any(isinstance(m, dict) and m.get("tool_calls") for m in conversation):
+        return conversation
+    try:
+        return [_with_argument_objects(m) if isinstance(m, dict) and m.get("tool_calls") else m
+                for m in conversation]
+    except InvalidRequestError as e:
+        return e
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"a tool call's function.arguments is not JSON: {e}",
+                                          param="messages") from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 def _render_one(tokenizer, conversation: Conversation, flags: dict[str, Any]) -> str | InvalidRequestError:

@@ -6,13 +6,19 @@ byte-level BPE tokenizer) is built locally and deterministically: the same
 arguments give byte-identical files.
 
     make_tiny_model(out_dir, arch=None, preset="tiny", seed=0,
-                    max_shard_size=None, **config_overrides) -> Path
+                    max_shard_size=None, chat_template=None, added_tokens=(),
+                    **config_overrides) -> Path
 
 arch: llama | mistral | qwen2 | qwen3 (None: llama, or the preset's own arch).
 preset: tiny (tests) | bench (CPU benchmark, ~22M params) | qwen3-0.6b |
 llama-8b (bf16, real shapes, random weights, for GPU benchmarks).
+chat_template: a Jinja chat template replacing the arch's plain one (e.g. a
+tools-aware one); added_tokens: strings made single tokens (e.g. "<tool_call>",
+"<think>"), added as Qwen's tokenizer adds them: not special, so decoding
+keeps them in the text, where tool-call and reasoning parsers look for them.
 
 CLI: python -m engine.tools.tiny_model --out DIR [--arch A] [--preset P] [--seed S]
+     [--chat-template FILE] [--added-token TOKEN ...]
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from engine.math_utils import cdiv
 from engine.tools._tiny_corpus import corpus_lines
@@ -99,7 +105,7 @@ def _specials(arch: str) -> dict:
     return QWEN_SPECIALS if arch.startswith("qwen") else LLAMA_SPECIALS
 
 
-def _train_tokenizer(arch: str, vocab: int, n_generated: int) -> Tokenizer:
+def _train_tokenizer(arch: str, vocab: int, n_generated: int, added_tokens=()) -> Tokenizer:
     sp = _specials(arch)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -108,6 +114,8 @@ def _train_tokenizer(arch: str, vocab: int, n_generated: int) -> Tokenizer:
         vocab_size=vocab, special_tokens=sp["tokens"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # all 256 bytes
     tok.train_from_iterator(corpus_lines(n_generated), trainer)
+    # After training, so the BPE merges (and every id below them) are those of a build without them.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     if sp["bos"]:  # Llama-style: encode() prepends bos
         bos = (sp["bos"], tok.token_to_id(sp["bos"]))
         tok.post_processor = processors.TemplateProcessing(
@@ -115,11 +123,11 @@ def _train_tokenizer(arch: str, vocab: int, n_generated: int) -> Tokenizer:
     return tok
 
 
-def _save_tokenizer(tok: Tokenizer, arch: str, out: Path) -> None:
+def _save_tokenizer(tok: Tokenizer, arch: str, out: Path, chat_template: str | None = None) -> None:
     from transformers import PreTrainedTokenizerFast
 
     sp = _specials(arch)
-    template = QWEN_CHAT_TEMPLATE if arch.startswith("qwen") else LLAMA_CHAT_TEMPLATE
+    template = chat_template or (QWEN_CHAT_TEMPLATE if arch.startswith("qwen") else LLAMA_CHAT_TEMPLATE)
     roles = {f"{r}_token": sp[r] for r in ("bos", "eos", "unk", "pad") if sp[r]}
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template,
                                      model_max_length=1 << 20, **roles)
@@ -249,10 +257,11 @@ def _write_configs(config, out: Path) -> None:
 
 
 def make_tiny_model(out_dir, arch=None, preset="tiny", seed=0, max_shard_size=None,
-                    **config_overrides) -> Path:
+                    chat_template: str | None = None, added_tokens=(), **config_overrides) -> Path:
     """Build a random HF checkpoint + tokenizer in out_dir and return its path.
 
     arch defaults to "llama" (or the preset's own arch for shape presets).
+    chat_template replaces the arch's template; added_tokens become single, non-special tokens.
     config_overrides are applied to the HF config (e.g. num_hidden_layers=1).
     """
     if preset not in PRESETS:
@@ -263,7 +272,7 @@ def make_tiny_model(out_dir, arch=None, preset="tiny", seed=0, max_shard_size=No
         raise ValueError(f"arch {arch!r} not valid for preset {preset!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(arch, p["tok_vocab"], p["n_generated"])
+    tok = _train_tokenizer(arch, p["tok_vocab"], p["n_generated"], added_tokens)
     n_tok = tok.get_vocab_size()
     config = _build_config(arch, p, n_tok, _special_ids(tok, arch), config_overrides)
     for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
@@ -273,7 +282,7 @@ def make_tiny_model(out_dir, arch=None, preset="tiny", seed=0, max_shard_size=No
     else:
         _save_direct(config, out, n_tok, seed, max_shard_size, getattr(torch, p["dtype"]))
     _write_configs(config, out)
-    _save_tokenizer(tok, arch, out)
+    _save_tokenizer(tok, arch, out, chat_template)
     return out
 
 
@@ -298,12 +307,16 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-size", default=None, help='e.g. "200KB", "2GB"')
+    ap.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the arch's own")
+    ap.add_argument("--added-token", action="append", default=[], help="a string made one (non-special) token")
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep CLI output to the two lines below
+    template = Path(args.chat_template).read_text() if args.chat_template else None
     out = make_tiny_model(args.out, arch=args.arch, preset=args.preset, seed=args.seed,
-                          max_shard_size=args.max_shard_size)
+                          max_shard_size=args.max_shard_size, chat_template=template,
+                          added_tokens=args.added_token)
     print(out)
     print(_summary(out))
 
