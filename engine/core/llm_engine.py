@@ -69,6 +69,11 @@ class LLMEngine:
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival) for i in range(params.n)]
         for sib in seqs[1:]:
             sib.prefix_source = seqs[0]
+        if params.bad_words:
+            bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            self._check_token_ids("bad_words", [t for word in bad_words for t in word])
+            for seq in seqs:
+                seq.bad_words_token_ids = bad_words
         if params.structured_outputs is not None:
             compiled = self.structured_outputs.compile(params.structured_outputs)  # ValueError if unusable
             for seq in seqs:
@@ -247,11 +252,17 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of vocabulary (vocab_size={vocab})", param="prompt")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"stop_token_ids: token id {bad} is out of vocabulary (vocab_size={vocab})",
-                                      param="stop_token_ids")
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", params.logit_bias or ())
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+
+    def _check_token_ids(self, name: str, token_ids) -> None:
+        """Token ids a request names must be rows of the logits (not just of the tokenizer)."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{name}: token id {bad} is out of vocabulary (vocab_size={vocab})", param=name)
 
     def get_stats(self) -> dict[str, float]:
         bm = self.block_manager
@@ -274,10 +285,25 @@ class LLMEngine:
 
 def _needs_host_state(seq: Sequence) -> bool:
     """Sampling this sequence reads its latest tokens on the host: a grammar matcher, penalties
-    over its output, or a min_tokens count still in force."""
+    over its output, a min_tokens count still in force, or a bad word of several tokens (whose
+    last token is banned only after the others). logit_bias, allowed_token_ids and one-token bad
+    words are the same at every step, so they never wait."""
     p = seq.sampling_params
     return (seq.grammar is not None or p.has_penalties
-            or bool(p.min_tokens and seq.num_output_tokens < p.min_tokens))
+            or bool(p.min_tokens and seq.num_output_tokens < p.min_tokens)
+            or any(len(word) > 1 for word in seq.bad_words_token_ids))
+
+
+def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, as vLLM does: alone (at the start of the text) and after a
+    space (inside it), the second only when the space changes the tokens."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:

@@ -55,6 +55,9 @@ class Sequence:
         self.prompt_logprobs: list = []
         # Structured output: this sequence's grammar matcher (engine.core.structured_output), or None. Opaque here.
         self.grammar = None
+        # sampling_params.bad_words as token id sequences (tokenized once by the engine; shared by
+        # the request's n sequences): the sampler bans each one's last token after the others.
+        self.bad_words_token_ids: list[list[int]] = []
 
     # -- token views -------------------------------------------------------
     @property

@@ -2,7 +2,8 @@
 
 One row per sampling sequence, all batched in float32 `[num_seqs, vocab]`:
 
-    grammar bitmask -> raw logprobs -> penalties -> min_tokens
+    grammar bitmask -> raw logprobs -> allowed_token_ids -> bad_words -> min_tokens
+      -> logit_bias -> penalties (vLLM V1's order; engine/worker/logits_controls.py)
       -> greedy rows: argmax
       -> other rows:  / temperature -> top-k, top-p (one sort) -> min-p -> exponential race
 
@@ -20,6 +21,7 @@ import torch
 from engine.core.messages import SampleLogprobs
 from engine.core.sequence import Sequence
 from engine.worker.forward_context import to_device
+from engine.worker.logits_controls import RowGuard, TokenControls, apply_bad_words
 
 _U64 = (1 << 64) - 1  # torch generators take an unsigned 64-bit seed
 
@@ -42,6 +44,7 @@ class Sampler:
         self.seed = seed
         self._generator: torch.Generator | None = None  # unseeded rows; lives on the logits' device
         self._seq_generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
+        self.token_controls = TokenControls()  # logit_bias and allowed_token_ids tensors per sequence
         if device is not None:
             device = torch.device(device)
             if device.type == "cuda" and device.index is None:
@@ -49,8 +52,9 @@ class Sampler:
             self._engine_generator(device)
 
     def free(self, seq_id: int) -> None:
-        """Forget a finished sequence's generator."""
+        """Forget a finished sequence's generator and token controls."""
         self._seq_generators.pop(seq_id, None)
+        self.token_controls.free(seq_id)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  allowed_token_bitmask: torch.Tensor | None = None,
@@ -75,10 +79,10 @@ class Sampler:
             apply_token_bitmask(logits, allowed_token_bitmask)
         params = [s.sampling_params for s in seqs]
         want_logprobs = any(p.logprobs is not None for p in params)
-        # vLLM's default: logprobs of the model's distribution, before penalties and temperature.
+        # vLLM V1's default (logprobs_mode="raw_logprobs"): logprobs of the model's distribution
+        # under the grammar, before the request's own edits, penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        apply_penalties(logits, seqs)
-        self._apply_min_tokens(logits, seqs)
+        self._process_logits(logits, seqs)
         sampled = self._sample(logits, seqs)  # [num_seqs] int64
         if raw_logprobs is None:
             return SampledTokens(sampled)
@@ -86,6 +90,16 @@ class Sampler:
         return SampledTokens(sampled, _pack_logprob_records(sampled, raw_logprobs, ks), ks)
 
     # -- stages ------------------------------------------------------------
+    def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """The request's own edits and the penalties, in place, in vLLM V1's order."""
+        guard = RowGuard(logits, seqs)
+        self.token_controls.apply_allowed_token_ids(logits, seqs)
+        apply_bad_words(logits, seqs)
+        self._apply_min_tokens(logits, seqs)
+        self.token_controls.apply_logit_bias(logits, seqs)
+        apply_penalties(logits, seqs)
+        guard.restore_emptied(logits)
+
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Forbid eos and stop tokens while a sequence is shorter than its min_tokens."""
         vocab = logits.shape[1]
@@ -256,11 +270,11 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
 
 # -- helpers -------------------------------------------------------------------
 def _plain_greedy(seqs: list[Sequence]) -> bool:
-    """Every row is greedy with no logprobs, no penalties and no min_tokens still in force:
-    then the sampled token is the argmax of the raw logits (the usual offline batch)."""
+    """Every row is greedy with no logprobs, no penalties, no token edits and no min_tokens still
+    in force: then the sampled token is the argmax of the raw logits (the usual offline batch)."""
     for seq in seqs:
         p = seq.sampling_params
-        if (not p.is_greedy or p.logprobs is not None or p.has_penalties
+        if (not p.is_greedy or p.logprobs is not None or p.has_penalties or p.has_token_controls
                 or (p.min_tokens and seq.num_output_tokens < p.min_tokens)):
             return False
     return True
