@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from serve_app.http.messages import ErrorKind, StreamError
+from serve_app.http.protocol_base import UNSUPPORTED_FIELD
 
 
 class OpenAIError(Exception):
@@ -83,7 +84,12 @@ def from_validation_error(e: ValidationError) -> OpenAIError:
     param = ".".join(loc) or None
     if err["type"] == "json_invalid":
         return bad_request(f"The request body is not valid JSON: {err['msg']}", code="invalid_json")
+    if err["type"] == "extra_forbidden":  # a field neither OpenAI nor vLLM defines (OpenAI's wording)
+        return bad_request(f"Unrecognized request argument supplied: {param}", param=param)
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == UNSUPPORTED_FIELD:  # a field OpenAI or vLLM defines that this server does not do
+        param = ".".join([*loc, err["ctx"]["field"]])
+        return bad_request(f"'{param}' is not supported: {err['ctx']['why']}", param=param)
     if param is None:  # a whole-model check: its message starts with the field it is about
         m = _FIELD_IN_MESSAGE.match(msg)
         param = m.group(1) if m else None

@@ -7,12 +7,35 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
 # One token's log-probabilities: (token_id, logprob, rank, decoded_token) for the sampled token
 # first, then the top-k candidates (the sampled token is not repeated among them).
 TokenLogprob = tuple[int, float, int, str]
+
+
+@dataclass
+class ToolsSpec:
+    """A chat request's tools as the guardrail checks its calls: every call names one of `schemas`
+    and its arguments validate against that schema, as the client gave it (the whole of it)."""
+
+    choice: str                     # "auto" (a parser finds calls in the text) | "required" | "named"
+    schemas: dict[str, Any]         # tool name -> its parameters JSON Schema
+    named: str | None = None        # choice "named": the tool the output is the arguments of
+    parser: str | None = None       # choice "auto": the tool-call parser (app arg tool_call_parser)
+    parallel_tool_calls: bool = True
+
+
+@dataclass
+class OutputSpec:
+    """How a chat completion's text is read: its reasoning, its tool calls, and which request field
+    a violation of its contract names."""
+
+    reasoning_parser: str | None = None  # app arg reasoning_parser: <think> text to reasoning_content
+    tools: ToolsSpec | None = None       # the calls to find and check (tool_choice other than "none")
+    param: str = "response_format"       # the request field the contract comes from (the 422's param)
 
 
 @dataclass
@@ -23,14 +46,28 @@ class EngineRequest:
     prompt_token_ids: list[int]     # already tokenized / chat-templated by the Ingress batch
     sampling_params: SamplingParams # output_kind is set to DELTA by the engine deployment
     prompt: str | None = None       # prompt text, when the client sent text (for logs and echo)
-    json_mode: bool = False         # the request asked for JSON output (routes through Guardrails)
+    json_mode: bool = False         # the output has a contract to check: JSON or tool calls (routes through Guardrails)
     batch_id: str | None = None     # the Ingress micro-batch it came in: one engine replica per batch
     stream: bool = False            # the client streams: the guardrail passes tokens on as they come
+    output: OutputSpec | None = None  # chat: how to read the text (reasoning, tool calls); the guard's contract
+
+
+@dataclass
+class ToolCall:
+    """A complete call, its arguments validated against the tool's schema."""
+
+    id: str          # "call_..." (OpenAI's shape)
+    name: str
+    arguments: str   # JSON text of the arguments object
 
 
 @dataclass
 class Delta:
-    """New output of one of the request's n completions since the previous item."""
+    """New output of one of the request's n completions since the previous item.
+
+    From the engine only `text` is set: the model's text. Once the guardrail has read a chat
+    completion's text (OutputSpec), `text` is the content alone, `reasoning` the reasoning, and
+    `tool_calls` the calls (validated, each whole, on the delta that finishes the completion)."""
 
     index: int                                # which completion (0..n-1)
     text: str                                 # new text (may be "" when a token is still incomplete UTF-8)
@@ -38,6 +75,9 @@ class Delta:
     logprobs: list[list[TokenLogprob]] | None = None  # one entry per new token, when asked for
     finish_reason: str | None = None          # "stop" | "length" once this completion is done
     stop_reason: int | str | None = None      # the stop string or token id that ended it
+    reasoning: str = ""                       # new reasoning text (read by the guardrail)
+    tool_calls: list[ToolCall] | None = None  # calls (read and validated by the guardrail)
+    parsed: bool = False                      # the guardrail has read the text: text is content only
 
 
 @dataclass
