@@ -1,5 +1,11 @@
-"""Engine deltas -> OpenAI bodies and chunks (no Ray): choice numbering, logprobs formats, usage, echo."""
-from serve_app.http.messages import Delta, StreamItem
+"""Engine deltas -> OpenAI bodies and chunks (no Ray): choice numbering, logprobs formats, usage, echo;
+chat replies with reasoning_content and tool_calls, streamed as chunks the openai client assembles."""
+import json
+
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+
+from serve_app.http.messages import Delta, OutputSpec, StreamItem, ToolCall, ToolsSpec
 from serve_app.http.responses import ChatBuilder, CompletionBuilder
 
 # (token_id, logprob, rank, text): the sampled token first, then the top-k
@@ -105,3 +111,79 @@ def test_logprob_minus_infinity_is_json_safe():
     b = CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=0)
     b.add(0, _item(Delta(0, "a", [5], logprobs=[[(5, float("-inf"), 900, "a")]])))
     assert b.final()["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0]
+
+
+# -- chat with a reasoning parser and tool calls -------------------------------------------------
+REASONING = OutputSpec(reasoning_parser="qwen3")
+CALLS = [ToolCall("call_a", "get_weather", '{"city": "Paris"}'), ToolCall("call_b", "get_time", "{}")]
+THINKING = ["<th", "ink>Let me", " see</th", "ink>\n\nIt is", " sunny."]  # split inside the tags
+
+
+def _stream_to_completion(chunks: list[dict]):
+    """The chunks as the official openai client assembles a stream (its ChatCompletionStreamState)."""
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.get_final_completion()
+
+
+def test_reasoning_is_read_apart_from_the_content_when_the_guardrail_did_not():
+    for stream in (False, True):
+        b = ChatBuilder("x", "m", n=1, num_prompts=1, logprobs=None, output=REASONING)
+        chunks = []
+        for i, piece in enumerate(THINKING):
+            last = i == len(THINKING) - 1
+            chunks += b.add(0, _item(Delta(0, piece, [i], finish_reason="stop" if last else None)), stream=stream)
+        message = b.final()["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": "\n\nIt is sunny.", "reasoning_content": "Let me see"}
+        if stream:
+            streamed = _stream_to_completion(chunks).choices[0].message
+            assert (streamed.content, streamed.reasoning_content) == ("\n\nIt is sunny.", "Let me see")
+            assert all("<think>" not in json.dumps(c) for c in chunks)
+
+
+def test_include_reasoning_false_leaves_it_out():
+    b = ChatBuilder("x", "m", n=1, num_prompts=1, logprobs=None, output=REASONING, include_reasoning=False)
+    b.add(0, _item(Delta(0, "<think>hm</think>ok", [1], finish_reason="stop")))
+    assert b.final()["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
+
+
+def test_read_deltas_are_reported_as_read():
+    """What the guardrail passes on (parsed): its content, reasoning and calls, never read again."""
+    b = ChatBuilder("x", "m", n=1, num_prompts=1, logprobs=None, output=REASONING)
+    b.add(0, _item(Delta(0, "<think>is content here</think>", [1], reasoning="r", parsed=True)))
+    b.add(0, _item(Delta(0, "", [2], finish_reason="stop", tool_calls=CALLS, parsed=True)))
+    choice = b.final()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant", "content": "<think>is content here</think>", "reasoning_content": "r",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "get_weather",
+                                                                          "arguments": '{"city": "Paris"}'}},
+                       {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}
+
+
+def test_tool_calls_alone_have_null_content_and_stream_as_openais_deltas():
+    spec = OutputSpec(tools=ToolsSpec("required", {"get_weather": {}, "get_time": {}}))
+    whole = ChatBuilder("x", "m", n=2, num_prompts=1, logprobs=None, output=spec)
+    streamed = ChatBuilder("x", "m", n=2, num_prompts=1, logprobs=None, output=spec)
+    items = [_item(Delta(1, "no call", [1], finish_reason="stop", parsed=True)),  # choice 1 first: n > 1
+             _item(Delta(0, "", [2, 3], finish_reason="stop", tool_calls=CALLS, parsed=True), finished=True)]
+    chunks = [c for item in items for c in streamed.add(0, item, stream=True)]
+    for item in items:
+        whole.add(0, item)
+    body = whole.final()
+    assert body["choices"][0]["message"]["content"] is None and body["choices"][0]["finish_reason"] == "tool_calls"
+    assert body["choices"][1]["message"] == {"role": "assistant", "content": "no call"}
+    assert body["choices"][1]["finish_reason"] == "stop"
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert calls == [  # the header (index, id, type, name) first, then the arguments, per call
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": "Paris"}'}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+        {"index": 1, "function": {"arguments": "{}"}}]
+    assembled = _stream_to_completion(chunks)
+    assert [c.finish_reason for c in assembled.choices] == ["tool_calls", "stop"]
+    assert assembled.choices[1].message.content == "no call"
+    assert [(c.id, c.function.name, c.function.arguments) for c in assembled.choices[0].message.tool_calls] == \
+        [(c["id"], c["function"]["name"], c["function"]["arguments"])
+         for c in body["choices"][0]["message"]["tool_calls"]]

@@ -105,3 +105,19 @@ def test_invalid_request_keeps_the_param_the_stream_error_names():
     with pytest.raises(OpenAIError) as info:
         asyncio.run(gen.first())
     assert info.value.status_code == 400 and info.value.param == "response_format"
+
+
+@pytest.mark.parametrize("engine_param,source,named", [
+    ("response_format", "guided_regex", "guided_regex"),  # the engine's structured_outputs, as stream_error names it
+    ("structured_outputs.regex", "guided_regex", "guided_regex"),
+    ("response_format", "tools.0.function.parameters", "tools.0.function.parameters"),  # a named tool's schema
+    ("structured_outputs.regex", "structured_outputs", "structured_outputs.regex"),  # sent as such: kept
+    ("max_tokens", "guided_regex", "max_tokens"),  # about another field: kept
+])
+def test_an_engine_error_about_the_constraint_names_the_field_it_came_in(engine_param, source, named):
+    item = StreamItem(finished=True, error=StreamError("invalid_request", "cannot compile", param=engine_param))
+    gen = Generation(_items(item), CompletionBuilder("c", "m", n=1, num_prompts=1, logprobs=None),
+                     IngressMetrics("t", "m", factory=Recorder()).request(), retry_after_s=2, param_source=source)
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(gen.first())
+    assert info.value.status_code == 400 and info.value.param == named

@@ -154,6 +154,19 @@ def from_stream_error(err: StreamError, retry_after_s: int) -> OpenAIError:
     return OpenAIError(status, err.message, type=type_, param=param, code=err.code or code, headers=headers)
 
 
+def name_source(err: OpenAIError, source: str | None) -> OpenAIError:
+    """An error about the request's structured-output constraint names the field the client sent it
+    in (`source`: "guided_regex", "tools", ...), not the engine's `structured_outputs`, nor the
+    response_format that stream_error names it after."""
+    param = err.param
+    if source is None or param is None or param == source:
+        return err
+    if param == "response_format" or param == "structured_outputs" or param.startswith("structured_outputs."):
+        if not (source == "structured_outputs" and param.startswith("structured_outputs")):
+            err.param = source
+    return err
+
+
 def from_value_error(e: ValueError) -> OpenAIError:
     """A ValueError raised in this process (SamplingParams, request conversion): a 400."""
     return from_stream_error(stream_error(e), retry_after_s=0)

@@ -6,11 +6,13 @@ send now (streaming) or, at the end, the whole body (non-streaming). Pure: teste
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.http.messages import Delta, StreamItem, TokenLogprob
+from serve_app.http.messages import Delta, OutputSpec, StreamItem, TokenLogprob, ToolCall
+from serve_app.http.output_parser import ChoiceParser
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -24,6 +26,9 @@ class _Choice:
     stop_reason: int | str | None = None
     started: bool = False   # streaming: the first chunk (role / echo) has been sent
     text_offset: int = 0    # completions logprobs: characters before the next token
+    reasoning: list[str] = field(default_factory=list)        # chat: the reasoning, apart from the text
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat: validated calls
+    parser: ChoiceParser | None = None  # chat: reads the text the guardrail did not (Delta.parsed)
 
 
 class ResponseBuilder:
@@ -51,7 +56,10 @@ class ResponseBuilder:
         for d in item.deltas:
             index = prompt_index * self.n + d.index
             choice = self.choices[index]
+            d = self._read(choice, d)
             choice.text.append(d.text)
+            choice.reasoning.append(d.reasoning)
+            choice.tool_calls.extend(d.tool_calls or ())
             choice.num_tokens += len(d.token_ids)
             if d.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
@@ -78,6 +86,10 @@ class ResponseBuilder:
         if not stream or self.include_usage:
             body["usage"] = usage
         return body
+
+    def _read(self, choice: _Choice, d: Delta) -> Delta:
+        """The delta as the response reports it (ChatBuilder: reasoning and content apart)."""
+        return d
 
     def _chunks(self, index: int, choice: _Choice, d: Delta) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -161,20 +173,58 @@ class CompletionBuilder(ResponseBuilder):
 
 
 class ChatBuilder(ResponseBuilder):
+    """Chat bodies and chunks. With an OutputSpec (a chat request on a server with a reasoning
+    parser, or with tools) the reply carries `reasoning_content` and `tool_calls` apart from
+    `content`: as the guardrail read them, or read here when the completion bypassed it."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args, output: OutputSpec | None = None, include_reasoning: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reasoning = output is not None and output.reasoning_parser is not None and include_reasoning
+        if output is not None:
+            for choice in self.choices:
+                choice.parser = ChoiceParser(output)
+
+    def _read(self, choice: _Choice, d: Delta) -> Delta:
+        if d.parsed or choice.parser is None:
+            return d
+        part = choice.parser.feed(d.text)
+        if d.finish_reason is not None:
+            part += choice.parser.finish()
+        return dataclasses.replace(d, text=part.content, reasoning=part.reasoning,
+                                   tool_calls=part.tool_calls or None, parsed=True)
+
     def _chunks(self, index: int, choice: _Choice, d: Delta) -> list[dict[str, Any]]:
         chunks = []
-        if not choice.started:  # OpenAI's first chunk of a choice: the role, no content yet
-            choice.started = True
-            chunks.append(self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]))
-        if d.text or d.finish_reason or d.logprobs:
-            delta = {"content": d.text} if d.text else {}
-            logprobs = self._chat_logprobs(d.logprobs) if self.logprobs is not None else None
-            chunks.append(self._envelope([{"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+        if not choice.started:
+            # OpenAI's first chunk of a choice is the role, no content yet. Every choice's, in index
+            # order, before any other: the openai client's stream helper takes its list of choices
+            # from the first chunk and fails on a first chunk of choice 1 (n > 1).
+            for i, c in enumerate(self.choices):
+                if not c.started:
+                    c.started = True
+                    chunks.append(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]))
+        deltas = []
+        text = {"content": d.text} if d.text else {}
+        if d.reasoning and self.reasoning:
+            text = {"reasoning_content": d.reasoning, **text}
+        if text or d.logprobs:
+            deltas.append(text)
+        first_call = len(choice.tool_calls) - len(d.tool_calls or ())
+        for k, call in enumerate(d.tool_calls or (), start=first_call):
+            deltas.extend(_tool_call_deltas(k, call))
+        if d.finish_reason and not deltas:
+            deltas.append({})
+        logprobs = self._chat_logprobs(d.logprobs) if self.logprobs is not None else None
+        for i, delta in enumerate(deltas):  # logprobs with the first, the finish reason on the last
+            last = i == len(deltas) - 1
+            chunks.append(self._envelope([{
+                "index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                "finish_reason": _finish_reason(choice, d.finish_reason) if last else None,
+                "stop_reason": d.stop_reason if last else None}]))
         return chunks
 
     def _chat_logprobs(self, entries: list[list[TokenLogprob]] | None) -> dict[str, list]:
@@ -192,6 +242,29 @@ class ChatBuilder(ResponseBuilder):
         choices = []
         for index, c in enumerate(self.choices):
             logprobs = self._chat_logprobs(c.logprobs) if self.logprobs is not None else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append({"index": index, "message": self._message(c), "logprobs": logprobs,
+                            "finish_reason": _finish_reason(c, c.finish_reason), "stop_reason": c.stop_reason})
         return self._envelope(choices, usage=self.usage(), stream=False)
+
+    def _message(self, c: _Choice) -> dict[str, Any]:
+        content = "".join(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if c.tool_calls else "")}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(c.reasoning) or None
+        if c.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in c.tool_calls]
+        return message
+
+
+def _tool_call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
+    """OpenAI's streamed call: index, id, type and name first, then the arguments."""
+    return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                             "function": {"name": call.name, "arguments": ""}}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+
+
+def _finish_reason(choice: _Choice, finish_reason: str | None) -> str | None:
+    """"tool_calls" when the model stopped after calling tools (OpenAI's)."""
+    return "tool_calls" if finish_reason == "stop" and choice.tool_calls else finish_reason

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import AsyncIterator
 
-from serve_app.http.errors import OpenAIError, from_stream_error, internal_error
+from serve_app.http.errors import OpenAIError, from_stream_error, internal_error, name_source
 from serve_app.http.messages import StreamItem
 from serve_app.metrics import RequestRecorder
 from serve_app.http.responses import ResponseBuilder
@@ -36,11 +36,12 @@ class Generation:
     """One HTTP request in flight: its merged engine streams, its response builder and its metrics."""
 
     def __init__(self, items: AsyncIterator[tuple[int, StreamItem]], builder: ResponseBuilder,
-                 metrics: RequestRecorder, retry_after_s: int):
+                 metrics: RequestRecorder, retry_after_s: int, param_source: str | None = None):
         self.items = items
         self.builder = builder
         self.metrics = metrics
         self.retry_after_s = retry_after_s
+        self.param_source = param_source  # the field the structured-output form came in (errors name it)
         self.start = time.monotonic()
         self._first: tuple[int, StreamItem] | None = None
         self._first_token_seen = False
@@ -57,7 +58,10 @@ class Generation:
 
     def _raise_if_error(self, item: StreamItem) -> None:
         if item.error is not None:
-            raise from_stream_error(item.error, self.retry_after_s)
+            raise self._error(item)
+
+    def _error(self, item: StreamItem) -> OpenAIError:
+        return name_source(from_stream_error(item.error, self.retry_after_s), self.param_source)
 
     def _observe(self, item: StreamItem) -> int:
         """Record what an item says for the metrics; returns its number of new tokens."""
@@ -102,7 +106,7 @@ class Generation:
                     self.metrics.chunk("client", num_tokens)
                     yield "".join(sse(chunk) for chunk in chunks)
                 if item.error is not None:
-                    err = from_stream_error(item.error, self.retry_after_s)
+                    err = self._error(item)
                     status = err.status_code
                     yield sse_error(err)
                     break
