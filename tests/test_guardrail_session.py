@@ -1,4 +1,7 @@
-"""serve_app.guard.session: what a JSON request generates, passes on, retries and fails with (no Ray)."""
+"""serve_app.guard.session: what a JSON or tool-calling request generates, passes on, retries and fails with
+(no Ray)."""
+import json
+
 import pytest
 
 from engine.errors import InvalidRequestError
@@ -6,7 +9,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from serve_app.http.errors import stream_error
 from serve_app.guard.policy import GuardrailPolicy
 from serve_app.guard.session import GuardedRequest, attempt_seed
-from serve_app.http.messages import Delta, EngineRequest, StreamError, StreamItem
+from serve_app.http.messages import Delta, EngineRequest, OutputSpec, StreamError, StreamItem, ToolsSpec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 5}}, "required": ["a"],
           "additionalProperties": False}
@@ -171,7 +174,7 @@ def test_json_object_and_policy_limits():
 
 def test_needs_a_json_request():
     params = SamplingParams()
-    with pytest.raises(ValueError, match="structured_outputs"):
+    with pytest.raises(ValueError, match="needs a request with a contract"):
         GuardedRequest(EngineRequest("r", [1], params), GuardrailPolicy())
 
 
@@ -182,3 +185,113 @@ def test_finishes_large_flags_the_items_whose_check_may_take_a_while():
     assert not g.finishes_large(_item(Delta(0, "x" * 100, [1])), 64)  # not finishing
     assert not g.finishes_large(_item(_done(0, "x" * 10)), 64)
     assert g.finishes_large(_item(_done(1, "x" * 10)), 64)  # 56 held + 10
+
+
+# -- tool calls and reasoning: the answer is checked, calls are held until they pass -------------------
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+           "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": {}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _tools_request(choice, n=1, stream=False, parallel=True, reasoning=None, structured=None, seed=None):
+    tools = ToolsSpec(choice, SCHEMAS, "get_weather" if choice == "named" else None,
+                      "hermes" if choice == "auto" else None, parallel)
+    if choice == "named":
+        structured = StructuredOutputsParams(json=WEATHER)
+    elif choice == "required":
+        structured = StructuredOutputsParams(json={"type": "array"})  # the grammar's; the guard checks each call
+    params = SamplingParams(n=n, seed=seed, structured_outputs=structured)
+    return EngineRequest("req", [1], params, json_mode=True, stream=stream,
+                         output=OutputSpec(reasoning, tools, "response_format"))
+
+
+def _calls(delta):
+    return [(c.name, json.loads(c.arguments)) for c in delta.tool_calls or ()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_call_is_held_checked_and_passed_on_as_the_call(stream):
+    g = GuardedRequest(_tools_request("named", stream=stream), GuardrailPolicy())
+    g.next_attempt()
+    assert g.feed(_item(Delta(0, '{"city": ', [1]))) is None  # a forced call is held, streaming or not
+    (d,) = g.feed(_item(_done(0, '"Paris"}', tokens=[2]), finished=True)).deltas
+    assert d.parsed and d.text == "" and d.token_ids == [1, 2] and d.finish_reason == "stop"
+    assert _calls(d) == [("get_weather", {"city": "Paris"})] and d.tool_calls[0].id.startswith("call_")
+
+
+def test_a_call_whose_arguments_fail_the_whole_schema_is_regenerated_then_a_422_naming_tools():
+    g = GuardedRequest(_tools_request("named", seed=3), GuardrailPolicy(max_retries=1))
+    g.next_attempt()
+    assert g.feed(_item(_done(0, '{"city": "Llanfairpwllgwyngyll"}'), finished=True)) is None  # maxLength: 8
+    g.next_attempt()
+    out = g.feed(_item(_done(0, '{"town": "Rome"}'), finished=True))
+    assert (out.error.kind, out.error.code, out.error.param) == ("guardrail_violation", "schema", "tools")
+    assert out.error.message.startswith("The output violated the tools after 2 attempt(s): tool call 0 "
+                                        "(get_weather): the arguments do not match the schema")
+    assert out.guardrail_outcomes == [("retried", "schema"), ("rejected", "schema")]
+
+
+@pytest.mark.parametrize("text,code", [
+    ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]', None),
+    ('[{"name": "get_date", "parameters": {}}]', "unknown_tool"),
+    ('[{"name": "get_weather", "parameters": {"city": 5}}]', "schema"),
+    ('[{"name": "get_weather", "parameters": {"city": "Paris"}', "invalid_json"),  # cut off
+])
+def test_required_calls_each_checked_against_its_tools_schema(text, code):
+    g = GuardedRequest(_tools_request("required"), GuardrailPolicy(max_retries=0))
+    g.next_attempt()
+    out = g.feed(_item(_done(0, text), finished=True))
+    if code is None:
+        assert out.error is None and _calls(out.deltas[0]) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        assert len({c.id for c in out.deltas[0].tool_calls}) == 2
+    else:
+        assert (out.error.code, out.error.param) == (code, "tools")
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    g = GuardedRequest(_tools_request("auto", parallel=False), GuardrailPolicy(max_retries=0))
+    g.next_attempt()
+    assert g.feed(_item(_done(0, CALL + CALL), finished=True)).error.code == "parallel_tool_calls"
+
+
+def test_auto_streams_the_content_and_holds_a_call_until_it_passes():
+    g = GuardedRequest(_tools_request("auto", stream=True), GuardrailPolicy())
+    g.next_attempt()
+    (d,) = g.feed(_item(Delta(0, "Let me check. <tool", [1]))).deltas
+    assert (d.text, d.tool_calls) == ("Let me check. ", None)  # "<tool" may open a call: held by the parser
+    (d,) = g.feed(_item(Delta(0, CALL[5:], [2]))).deltas
+    assert (d.text, d.tool_calls) == ("", None)  # the call is complete, not yet checked
+    (d,) = g.feed(_item(_done(0, "", tokens=[3]), finished=True)).deltas
+    assert d.finish_reason == "stop" and _calls(d) == [("get_weather", {"city": "Paris"})]
+
+
+def test_auto_a_bad_call_after_streamed_content_cannot_be_retried():
+    g = GuardedRequest(_tools_request("auto", stream=True), GuardrailPolicy(max_retries=2))
+    g.next_attempt()
+    g.feed(_item(Delta(0, "Sure. ", [1])))
+    out = g.feed(_item(_done(0, CALL.replace("get_weather", "get_news")), finished=True))
+    assert (out.error.code, out.error.param) == ("unknown_tool", "tools")
+    assert out.error.message.endswith("not retried: part of it had already been streamed to the client")
+
+
+def test_auto_without_calls_is_content_and_a_malformed_call_stays_content():
+    g = GuardedRequest(_tools_request("auto"), GuardrailPolicy())
+    g.next_attempt()
+    (d,) = g.feed(_item(_done(0, "<tool_call>not json</tool_call>"), finished=True)).deltas
+    assert (d.text, d.tool_calls, d.finish_reason) == ("<tool_call>not json</tool_call>", None, "stop")
+
+
+def test_the_answer_after_the_reasoning_is_checked_never_the_reasoning():
+    request = _request(stream=True)
+    request.output = OutputSpec("qwen3", None, "guided_json")
+    g = GuardedRequest(request, GuardrailPolicy())
+    g.next_attempt()
+    (d,) = g.feed(_item(Delta(0, "<think>{not json at all", [1]))).deltas
+    assert (d.reasoning, d.text, d.parsed) == ("{not json at all", "", True)  # reasoning streams at once
+    (d,) = g.feed(_item(_done(0, '</think>{"a": 2}'), finished=True)).deltas
+    assert (d.reasoning, d.text, d.finish_reason) == ("", '{"a": 2}', "stop")
+    g = GuardedRequest(request, GuardrailPolicy(max_retries=0))
+    g.next_attempt()
+    out = g.feed(_item(_done(0, '<think>ok</think>{"a": 9}'), finished=True))
+    assert (out.error.code, out.error.param) == ("schema", "guided_json")  # the field the contract came in

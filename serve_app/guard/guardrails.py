@@ -1,4 +1,5 @@
-"""Guardrails: the deployment in the path of JSON (`response_format`) requests.
+"""Guardrails: the deployment in the path of requests whose output has a contract: JSON (`response_format`,
+`structured_outputs.json`, `guided_json`) or tool calls (`tools` with a tool_choice other than "none").
 
     Ingress --EngineRequest--> Guardrails.generate --> JsonGuard.run --attempt 0, 1, ...--> EngineDeployment
             <--StreamItems (validated; the last one may be a 422 error)--
@@ -8,8 +9,9 @@ a handle to; there the Ingress runs JsonGuard itself, in front of its own engine
 
 The engine's grammar-constrained decoding makes valid JSON the normal case; the guard makes
 it a guarantee: every finished completion is parsed and validated against the request's whole
-schema and the server's policy (serve_app.guard.policy), failing completions are generated
-again, and what still fails ends the request with a 422 `guardrail_violation`. The decisions
+schema, or each of its tool calls against its tool's (serve_app.guard.contract), and the server's
+policy (serve_app.guard.policy); failing completions are generated again, and what still fails
+ends the request with a 422 `guardrail_violation`. The decisions
 (retry what, pass on what, when) live in serve_app.guard.session, without Ray; here is only
 the engine I/O. Contract, knobs and metrics: docs/guardrails.md.
 """
@@ -24,6 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.replica.client import LocalEngine, RemoteEngine
+from serve_app.guard.contract import make_contract
 from serve_app.guard.policy import GuardrailPolicy
 from serve_app.guard.session import GuardedRequest
 from serve_app.http.messages import EngineRequest, StreamItem
@@ -42,7 +45,7 @@ class JsonGuard:
         self.policy = policy
 
     async def run(self, request: EngineRequest, engine: RemoteEngine | LocalEngine) -> AsyncIterator[StreamItem]:
-        if request.sampling_params.structured_outputs is None:  # no JSON contract: nothing to check
+        if make_contract(request.output, request.sampling_params.structured_outputs) is None:  # nothing to check
             async with contextlib.aclosing(engine.stream(request)) as items:
                 async for item in items:
                     yield item

@@ -29,7 +29,8 @@ from engine.errors import check_int
 from serve_app.http.errors import OpenAIError
 
 REDACTED = "[REDACTED]"
-REASONS = ("max_output_bytes", "invalid_json", "max_depth", "not_an_object", "schema")
+REASONS = ("max_output_bytes", "invalid_json", "max_depth", "not_an_object", "schema",
+           "unknown_tool", "parallel_tool_calls")  # the last two: tool calls (serve_app/guard/contract.py)
 _MAX_DEPTH_LIMIT = 256  # well inside Python's recursion limit, which json.loads and jsonschema share
 
 
@@ -185,7 +186,8 @@ class GuardrailError(OpenAIError):
     """A JSON request whose output still violated the contract after every retry.
 
     Status 422 (Unprocessable Entity), type "guardrail_violation", code = the reason
-    (`REASONS`), param "response_format". Why 422: the request itself was valid (a bad schema
+    (`REASONS`), param the request field whose contract it is ("response_format", "tools",
+    "guided_json", ...). Why 422: the request itself was valid (a bad schema
     is refused with a 400 before generation), so a 400 would wrongly blame the client; a 500
     says "server bug" and makes the OpenAI SDKs retry on their own, multiplying generations we
     already retried. 422 says "understood, but no conforming output could be produced"; the
@@ -195,9 +197,9 @@ class GuardrailError(OpenAIError):
     STATUS = 422
     TYPE = "guardrail_violation"
 
-    def __init__(self, reason: str, message: str, attempts: int):
-        text = f"The output violated the response_format after {attempts} attempt(s): {message}"
-        super().__init__(self.STATUS, text, type=self.TYPE, param="response_format", code=reason)
+    def __init__(self, reason: str, message: str, attempts: int, param: str = "response_format"):
+        text = f"The output violated the {param} after {attempts} attempt(s): {message}"
+        super().__init__(self.STATUS, text, type=self.TYPE, param=param, code=reason)
         self.reason, self.detail, self.attempts = reason, message, attempts
 
     @classmethod
@@ -207,4 +209,4 @@ class GuardrailError(OpenAIError):
         return cls(result.reason, result.message, attempts)
 
     def __reduce__(self):  # crosses Ray process boundaries as itself
-        return (GuardrailError, (self.reason, self.detail, self.attempts))
+        return (GuardrailError, (self.reason, self.detail, self.attempts, self.param))
