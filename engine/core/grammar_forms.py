@@ -6,7 +6,8 @@
     choice             root ::= "first" | "second" | ...  (each choice an escaped literal)
     grammar            EBNF/GBNF as xgrammar takes it, root rule `root`
     structural_tag     vLLM's {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, or
-                       xgrammar's {"format": {...}}; the JSON schemas inside are checked as the json form's
+                       xgrammar's {"format": {...}}; the JSON schemas inside are checked as the json
+                       form's, and its {"type": "regex"} parts read with Python's semantics too
 
 JSON options: strict mode (objects hold only the properties the schema declares unless
 `additionalProperties`/`patternProperties` allow more; OpenAI's "strict" contract), no free
@@ -25,7 +26,7 @@ import pydantic
 import xgrammar as xgr
 
 from engine.core.json_schema_check import check_schema
-from engine.core.regex_ebnf import regex_to_ebnf
+from engine.core.regex_ebnf import UnsupportedRegexError, regex_to_ebnf
 from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputsParams
 
@@ -68,7 +69,10 @@ def _compile_json(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams
 
 
 def _compile_regex(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    return compiler.compile_grammar(regex_to_ebnf(params.regex))
+    try:
+        return compiler.compile_grammar(regex_to_ebnf(params.regex))
+    except UnsupportedRegexError as e:
+        raise _refusal("regex", str(e)) from None
 
 
 def _compile_choice(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -82,7 +86,9 @@ def _compile_grammar(compiler: xgr.GrammarCompiler, params: StructuredOutputsPar
 
 def _compile_structural_tag(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
     tag = params.structural_tag
-    if "format" not in tag:  # vLLM's first shape: JSON schemas between begin and end strings, after a trigger
+    if "format" in tag:
+        tag = _python_regexes(tag)
+    else:  # vLLM's first shape: JSON schemas between begin and end strings, after a trigger
         tag = _from_structures(tag)
     for schema in _json_schemas_in(tag):
         try:
@@ -101,6 +107,21 @@ def _from_structures(tag: dict[str, Any]) -> xgr.StructuralTag:
     except pydantic.ValidationError as e:
         raise _refusal("structural_tag", str(e).splitlines()[0] + ": " + "; ".join(
             f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+
+
+def _python_regexes(node: Any) -> Any:
+    """A copy of a structural tag's format in which every {"type": "regex", "pattern": p} is the
+    grammar of p under Python's rules (xgrammar's own regex reading differs; see regex_ebnf)."""
+    if isinstance(node, list):
+        return [_python_regexes(v) for v in node]
+    if not isinstance(node, dict) or node.get("type") == "json_schema":
+        return node
+    if node.get("type") == "regex" and isinstance(node.get("pattern"), str):
+        try:
+            return {"type": "grammar", "grammar": regex_to_ebnf(node["pattern"])}
+        except UnsupportedRegexError as e:
+            raise _refusal("structural_tag", f"its regex {node['pattern']!r}: {e}") from None
+    return {k: _python_regexes(v) for k, v in node.items()}
 
 
 def _json_schemas_in(tag: xgr.StructuralTag | dict[str, Any]):

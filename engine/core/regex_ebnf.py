@@ -35,7 +35,10 @@ import re
 from re import _constants as C
 from re import _parser
 
-from engine.errors import InvalidRequestError
+
+class UnsupportedRegexError(ValueError):
+    """The pattern is not a Python regex, or uses a part no grammar here can express; says which."""
+
 
 _MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)
@@ -60,12 +63,17 @@ def regex_to_ebnf(pattern: str) -> str:
     """EBNF (root rule `root`) accepting exactly the strings `re.fullmatch(pattern, s)` accepts."""
     try:
         parsed = _parser.parse(pattern)
-    except re.error as e:
-        raise _refuse(f"not a valid regular expression: {e}") from None
+    except (re.error, OverflowError) as e:
+        raise UnsupportedRegexError(f"not a valid regular expression: {e}") from None
+    except RecursionError:
+        raise UnsupportedRegexError("the pattern nests too deeply") from None
     flags = parsed.state.flags
     if flags & ~_SUPPORTED_FLAGS:
-        raise _refuse("case-insensitive matching ((?i)) is not supported; spell out the cases, e.g. [Aa]")
-    return "root ::= " + _Writer(flags).sequence(list(parsed), at_start=True, at_end=True)
+        raise UnsupportedRegexError("case-insensitive matching ((?i)) is not supported; spell out the cases, e.g. [Aa]")
+    try:
+        return "root ::= " + _Writer(flags).sequence(list(parsed), at_start=True, at_end=True)
+    except RecursionError:
+        raise UnsupportedRegexError("the pattern nests too deeply") from None
 
 
 class _Writer:
@@ -88,7 +96,7 @@ class _Writer:
 
     def item(self, op, av, at_start: bool, at_end: bool) -> str:
         if op in _REFUSED:
-            raise _refuse(_REFUSED[op])
+            raise UnsupportedRegexError(_REFUSED[op])
         if op is C.LITERAL:
             return _literal(av)
         if op is C.NOT_LITERAL:
@@ -102,7 +110,7 @@ class _Writer:
         if op is C.SUBPATTERN:
             _group, add_flags, del_flags, sub = av
             if add_flags or del_flags:
-                raise _refuse("flags scoped to a group ((?s:...), (?i:...)) are not supported; "
+                raise UnsupportedRegexError("flags scoped to a group ((?s:...), (?i:...)) are not supported; "
                               "set them for the whole pattern at its start, e.g. (?s)")
             return "(" + self.sequence(list(sub), at_start, at_end) + ")"
         if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # lazy or greedy: the same strings under fullmatch
@@ -110,7 +118,7 @@ class _Writer:
             return "(" + self.sequence(list(sub), False, False) + ")" + _repeat(low, high)
         if op is C.AT:
             return _anchor(av, at_start, at_end)
-        raise _refuse(f"the construct {op} is not supported")
+        raise UnsupportedRegexError(f"the construct {op} is not supported")
 
     def class_ranges(self, items: list) -> Ranges:
         negate = bool(items) and items[0][0] is C.NEGATE
@@ -123,7 +131,7 @@ class _Writer:
             elif op is C.CATEGORY:
                 ranges.extend(_category_ranges(av, self.ascii))
             else:
-                raise _refuse(f"the character class item {op} is not supported")
+                raise UnsupportedRegexError(f"the character class item {op} is not supported")
         ranges = _normalize(ranges)
         return _complement(ranges) if negate else ranges
 
@@ -132,8 +140,8 @@ def _anchor(at, at_start: bool, at_end: bool) -> str:
     if at in _BEGIN_ANCHORS and at_start or at in _END_ANCHORS and at_end:
         return ""  # re.fullmatch anchors both ends already
     if at in (C.AT_BOUNDARY, C.AT_NON_BOUNDARY):
-        raise _refuse("word boundaries (\\b, \\B) are not supported")
-    raise _refuse("anchors (^, $, \\A, \\Z) are supported only at the start and end of the pattern")
+        raise UnsupportedRegexError("word boundaries (\\b, \\B) are not supported")
+    raise UnsupportedRegexError("anchors (^, $, \\A, \\Z) are supported only at the start and end of the pattern")
 
 
 def _repeat(low: int, high: int) -> str:
@@ -146,7 +154,7 @@ def _repeat(low: int, high: int) -> str:
 
 def _literal(code_point: int) -> str:
     if _SURROGATES[0] <= code_point <= _SURROGATES[1]:
-        raise _refuse(f"the surrogate \\u{code_point:04x} can never be written")
+        raise UnsupportedRegexError(f"the surrogate \\u{code_point:04x} can never be written")
     if code_point == 0:
         return "[\\u0000]"  # xgrammar ends a string literal at NUL
     return '"' + _escape(code_point) + '"'
@@ -176,7 +184,7 @@ def _escape(code_point: int) -> str:
 def _char_class(ranges: Ranges) -> str:
     """The shorter of [ranges] and [^complement]; surrogates are never in either."""
     if not ranges:
-        raise _refuse("a character class matches no character")
+        raise UnsupportedRegexError("a character class matches no character")
     complement = _complement(ranges)
     if len(complement) < len(ranges):  # e.g. [^\n] rather than its 3 positive ranges
         return "[^" + _class_items(complement + [_SURROGATES]) + "]"
@@ -230,7 +238,3 @@ def _every_code_point() -> str:
     # Index i holds chr(i); surrogates are replaced by NUL so that the positions stay code points
     # (the ranges found over them are cut out again by _normalize).
     return "".join(chr(i) if not _SURROGATES[0] <= i <= _SURROGATES[1] else "\0" for i in range(_MAX_CODE_POINT + 1))
-
-
-def _refuse(why: str) -> InvalidRequestError:
-    return InvalidRequestError(f"structured_outputs.regex is invalid: {why}", param="structured_outputs.regex")
