@@ -145,6 +145,9 @@ class EngineConfig:
     # None: on for CUDA with tensor_parallel_size 1 (on CPU the forward is synchronous, so there
     # is nothing to overlap). True with tensor_parallel_size > 1 is refused.
     async_scheduling: bool | None = None
+    # A reasoning model's parser (vLLM's --reasoning-parser: "qwen3", "deepseek_r1"; engine/reasoning):
+    # a request's structured output then constrains only the answer, from the token after the thinking ends.
+    reasoning_parser: str | None = None
     distributed_init_method: str | None = None  # "tcp://host:port" for TP workers; None picks a free local port
     worker_start_timeout_s: float = 120.0       # a TP worker not up by then fails start-up, naming its rank
 
@@ -168,6 +171,8 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb} is invalid: must be > 0")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: choose True, False or None")
+        if self.reasoning_parser is not None:
+            _check_reasoning_parser(self.reasoning_parser)
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
@@ -226,6 +231,15 @@ def _resolve_attention_backend(backend: str, on_cuda: bool) -> str:
     if backend != "auto":
         return backend  # "triton" on CPU runs under TRITON_INTERPRET=1 (tests only)
     return "triton" if on_cuda else "torch"  # "torch": the CPU path (kernels/cpu_attention.py)
+
+
+def _check_reasoning_parser(name: Any) -> None:
+    from engine.reasoning import get_reasoning_parser  # torch-free, like this module
+
+    try:
+        get_reasoning_parser(name)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"reasoning_parser={name!r} is invalid: {e}") from None
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:

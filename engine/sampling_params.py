@@ -220,6 +220,18 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
+def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, as vLLM does: alone (at the start of the text) and after a
+    space (inside it), the second only when the space changes the tokens."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

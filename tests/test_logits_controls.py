@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.core.llm_engine import bad_words_token_ids
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError
+from engine.sampling_params import bad_words_token_ids
 from engine.worker.logits_controls import RowGuard, TokenControls, apply_bad_words
 from engine.worker.sampler import Sampler
 

@@ -216,3 +216,53 @@ def test_engine_refuses_before_admitting(engines):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"(a)\1")), use_tqdm=False)
     assert info.value.param == "structured_outputs.regex"
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+# -- reasoning models: the grammar constrains the answer after </think> ---------------------
+DIGITS = StructuredOutputsParams(regex=r"[0-9]{3}")
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny_qwen3_tools):
+    """async_scheduling -> an engine with the qwen3 reasoning parser; <think> and </think> are single tokens."""
+    return {overlap: LLM(tiny_qwen3_tools, dtype="float32", device="cpu", reasoning_parser="qwen3",
+                         async_scheduling=overlap) for overlap in (False, True)}
+
+
+def _think_ids(llm) -> tuple[int, int]:
+    tok = llm.get_tokenizer()
+    return tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_grammar_starts_after_the_thinking_ends(thinking, overlap):
+    llm = thinking[overlap]
+    start, end = _think_ids(llm)
+    prompt = {"prompt_token_ids": [5, 6, 7, start]}
+    base = {"temperature": 1.0, "n": 2, "max_tokens": 12, "ignore_eos": True, "structured_outputs": DIGITS}
+    ends, never, closed = llm.generate([prompt, prompt, {"prompt_token_ids": [5, 6, 7, start, 9, end]}], [
+        SamplingParams(seed=0, logit_bias={end: 100}, **base),   # </think> forced as the first output token
+        SamplingParams(seed=1, logit_bias={end: -100}, **base),  # the thinking never ends
+        SamplingParams(seed=2, **base),                          # the prompt closed the thinking
+    ], use_tqdm=False)
+    for c in ends.outputs:  # the grammar took over after </think>, which it never saw
+        assert c.token_ids[0] == end and c.finish_reason == "stop"
+        assert re.fullmatch(r"</think>[0-9]{3}", c.text), c.text
+    for c in never.outputs:  # unconstrained all along: the random model writes anything
+        assert c.finish_reason == "length" and len(c.token_ids) == 12 and not re.fullmatch(r"[0-9]{3}", c.text)
+    for c in closed.outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}", c.text), c.text
+    llm.llm_engine.block_manager.check_no_leak()
+
+
+def test_without_a_reasoning_parser_the_grammar_binds_from_the_first_token(tiny_qwen3_tools):
+    llm = LLM(tiny_qwen3_tools, dtype="float32", device="cpu")
+    start, end = _think_ids(llm)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, start]}], SamplingParams(
+        temperature=1.0, seed=0, max_tokens=12, logit_bias={end: 100}, structured_outputs=DIGITS), use_tqdm=False)
+    assert re.fullmatch(r"[0-9]{3}", out[0].outputs[0].text)  # the grammar banned </think>, bias or not
+
+
+def test_a_reasoning_parser_needs_its_end_token(tiny_llama):
+    with pytest.raises(ValueError, match="'</think>' as one token"):
+        LLM(tiny_llama, dtype="float32", device="cpu", reasoning_parser="qwen3")

@@ -19,7 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.loader.model_path import resolve_model_path
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.core.request_state import RequestState
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, bad_words_token_ids
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import StatsLog
@@ -39,6 +39,7 @@ class LLMEngine:
         # stage below (executor, TP workers, model runner, attention) reads this resolved copy.
         self.config = config = config.resolve(self.model_config)
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer)
+        self.reasoning_parser = _make_reasoning_parser(config.reasoning_parser, self.tokenizer)
         self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
         # Workers and the process group go when the engine does, even if nobody calls shutdown().
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
@@ -77,7 +78,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.structured_outputs.compile(params.structured_outputs)  # ValueError if unusable
             for seq in seqs:
-                seq.grammar = self.structured_outputs.new_matcher(compiled)
+                seq.grammar = self.structured_outputs.new_matcher(compiled, self.reasoning_parser, token_ids)
         detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
         return RequestState(request_id, text, token_ids, params, seqs, detoks, RequestMetrics(arrival))
 
@@ -201,7 +202,7 @@ class LLMEngine:
         return self._collect_outputs(changed, now)
 
     def _advance_grammar(self, seq: Sequence) -> None:
-        seq.grammar.accept_token(seq.last_token_id)
+        seq.grammar.follow(seq.token_ids)
         if seq.grammar.is_finished() and not seq.is_finished:  # the document is complete: end here
             self.scheduler.finish_seq(seq, "stop", None)
 
@@ -294,16 +295,16 @@ def _needs_host_state(seq: Sequence) -> bool:
             or any(len(word) > 1 for word in seq.bad_words_token_ids))
 
 
-def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
-    """Each bad word as token ids, as vLLM does: alone (at the start of the text) and after a
-    space (inside it), the second only when the space changes the tokens."""
-    out: list[list[int]] = []
-    for word in bad_words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+def _make_reasoning_parser(name: str | None, tokenizer):
+    if name is None:
+        return None
+    from engine.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser(name)(tokenizer)
+    if parser.end_token_id is None:
+        raise ValueError(f"reasoning_parser={name!r} needs {parser.end_tag!r} as one token of the tokenizer's "
+                         "vocabulary (the grammar of a request starts after it)")
+    return parser
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:

@@ -9,9 +9,10 @@
 On top of the grammar, constrained rows never allow special tokens other than the stop tokens,
 and JSON rows no tokens with raw control bytes (see `_writable_token_ids`).
 
-Reasoning models: with a reasoning parser, a matcher made with `reasoning_ended=False` allows
-every token (its bitmask row is all ones) until the engine sets `reasoning_ended` once the
-thinking is over; the grammar then applies to the answer from the next token on.
+Reasoning models (EngineConfig.reasoning_parser): a matcher whose prompt did not close the
+thinking allows every token (its bitmask row is all ones) until the sequence writes the end of
+the thinking (`</think>`); the grammar constrains the answer from the next token on, and never
+sees the thinking or its end token, as in vLLM.
 """
 from __future__ import annotations
 
@@ -46,14 +47,24 @@ class Matcher:
     """The grammar state of one sequence. Used by one thread at a time (the step loop)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, num_words: int, non_stop_words: torch.Tensor,
-                 writable_words: torch.Tensor, reasoning_ended: bool = True):
+                 writable_words: torch.Tensor, reasoning_parser=None, reasoning_ended: bool = True):
         self._matcher = xgr.GrammarMatcher(compiled)
         self._non_stop_words = non_stop_words  # int32 [num_words]: every token but the stop tokens
         self._writable_words = writable_words  # int32 [num_words]: see _writable_token_ids
         self._mask = torch.empty((1, num_words), dtype=torch.int32)  # next token's allowed set
         self._mask_stale = True  # the mask is filled at most once per accepted token
-        # False while a reasoning model is still thinking: no constraint until the engine sets it.
-        self.reasoning_ended = reasoning_ended
+        # engine/reasoning parser (start_token_id, end_token_id, is_reasoning_end), or None
+        self._reasoning_parser = reasoning_parser
+        self.reasoning_ended = reasoning_ended  # False while a reasoning model is still thinking
+
+    def follow(self, token_ids: list[int]) -> None:
+        """Take the sequence's newest token (token_ids: prompt + output so far)."""
+        if self.reasoning_ended:
+            self.accept_token(token_ids[-1])
+            return
+        # The thinking ends only with the end token, which this grammar never sees.
+        parser = self._reasoning_parser
+        self.reasoning_ended = token_ids[-1] == parser.end_token_id and parser.is_reasoning_end(token_ids)
 
     def accept_token(self, token_id: int) -> None:
         if not self._matcher.accept_token(token_id):
@@ -162,9 +173,14 @@ class StructuredOutputManager:
                                       param=f"structured_outputs.{params.form}")
         return compiled
 
-    def new_matcher(self, compiled: CompiledConstraint, reasoning_ended: bool = True) -> Matcher:
+    def new_matcher(self, compiled: CompiledConstraint, reasoning_parser=None,
+                    prompt_token_ids: list[int] = ()) -> Matcher:
+        """A sequence's matcher; with a reasoning parser, it waits for the thinking to end unless
+        the prompt ended it already (e.g. Qwen3's enable_thinking=False template)."""
         writable = self._textual_words if compiled.form in CONTROL_BYTES_ALLOWED else self._writable_words
-        return Matcher(compiled.grammar, self.num_words, self._non_stop_words, writable, reasoning_ended)
+        reasoning_ended = reasoning_parser is None or reasoning_parser.is_reasoning_end(prompt_token_ids)
+        return Matcher(compiled.grammar, self.num_words, self._non_stop_words, writable,
+                       reasoning_parser, reasoning_ended)
 
     def fill_bitmask(self, matchers: list[Matcher | None]) -> torch.Tensor:
         """int32 [len(matchers), num_words] on CPU, xgrammar's layout (bit j of word w = token
