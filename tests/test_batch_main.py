@@ -10,6 +10,10 @@ def test_bad_arguments_exit_2_naming_them(tiny_llama, tmp_path, capsys):
     assert "cannot read the template file" in capsys.readouterr().err
     assert main(base + ["--num-replicas", "0"]) == 2
     assert "num_replicas=0 is invalid" in capsys.readouterr().err
+    regex = tmp_path / "regex.json"
+    regex.write_text('{"type": "regex", "regex": "(a)\\\\1"}')
+    assert main(base + ["--response-format", str(regex)]) == 2
+    assert "structured_outputs.regex is invalid: backreferences" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: one prompt source only
         parse_args(base + ["--prompt-column", "p", "--template", "t.j2"])
 

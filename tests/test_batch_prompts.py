@@ -1,5 +1,6 @@
 """serve_app.batch.prompts and .config: rows to prompts, without Ray."""
 import copy
+import re
 
 import pytest
 
@@ -76,6 +77,27 @@ def test_response_format_forms(tiny_llama):
     for rf in (schema, {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}):
         assert BatchConfig(model=tiny_llama, response_format=rf).structured_outputs().json == schema
     assert BatchConfig(model=tiny_llama, response_format={"type": "json_object"}).structured_outputs().json_object
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}
+    for rf, form, value in [({"type": "regex", "regex": "[a-z]+"}, "regex", "[a-z]+"),
+                            ({"type": "choice", "choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+                            ({"type": "grammar", "grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+                            (tag, "structural_tag", tag)]:
+        structured = BatchConfig(model=tiny_llama, response_format=rf).structured_outputs()
+        assert (structured.form, getattr(structured, form)) == (form, value)
+
+
+@pytest.mark.parametrize("rf, named", [
+    ({"type": "regex"}, "response_format of type regex needs a 'regex' key"),
+    ({"type": "regex", "regex": "(?=a)a"}, "structured_outputs.regex is invalid: lookaround"),
+    ({"type": "choice", "choice": []}, "structured_outputs.choice is invalid"),
+    ({"type": "grammar", "grammar": "start ::= [a-z]"}, 'root rule with name "root" is not found'),
+    ({"type": "structural_tag", "format": {"type": "nope"}}, "Format type not recognized"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}}},
+     "minimum greater than maximum"),  # xgrammar's own refusal, found without a tokenizer
+])
+def test_bad_response_formats_fail_at_config_time(tiny_llama, rf, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        BatchConfig(model=tiny_llama, response_format=rf)
 
 
 def test_row_seed_depends_on_the_id_only(tiny_llama):

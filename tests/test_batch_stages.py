@@ -143,6 +143,21 @@ def test_json_rows_are_flagged_not_dropped(tiny_llama):
     assert rows[2]["error"].startswith("invalid_json: ") and "max_tokens cut it off" in rows[2]["error"]
 
 
+@pytest.mark.parametrize("rf, rows, valid", [
+    ({"type": "regex", "regex": r"\d{2}"}, [("42", "stop"), ("4", "length"), ("4x", "stop")], [True, False, False]),
+    ({"type": "choice", "choice": ["yes", "no"]}, [("no", "stop"), ("n", "length"), ("nope", "stop")],
+     [True, False, False]),
+    ({"type": "grammar", "grammar": 'root ::= "a"+'}, [("aa", "stop"), ("aaa", "length")], [True, False]),
+])
+def test_other_forms_are_checked_too(tiny_llama, rf, rows, valid):
+    config = BatchConfig(model=tiny_llama, response_format=rf)
+    batch = pa.Table.from_pylist([{"id": i, "text": t, "finish_reason": f} for i, (t, f) in enumerate(rows)])
+    out = postprocess_batch(batch, config, None).to_pylist()
+    assert [r["valid"] for r in out] == valid
+    assert all((r["error"] is None) == r["valid"] for r in out)
+    assert all("max_tokens cut it off" in r["error"] for r, (_, f) in zip(out, rows) if f == "length")
+
+
 def test_user_functions_see_and_extend_the_row(tiny_llama):
     config = BatchConfig(model=tiny_llama, template="{{ a }} and {{ b }}")
     pre = preprocess_batch(pa.Table.from_pylist([{"id": 0, "a": "x"}]), config, lambda r: {**r, "b": "y"})

@@ -19,6 +19,7 @@ from engine import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from engine.core.grammar_forms import check_form
 from engine.errors import InvalidRequestError
 
 EMAIL = r"[a-z]{1,6}@[a-z]{1,5}\.(com|org)"
@@ -208,6 +209,10 @@ def test_uncompilable_forms_are_refused_naming_the_field(manager, form, param, n
         manager.compile(StructuredOutputsParams(**form))
     assert info.value.param == param
     assert "/project/" not in str(info.value)  # xgrammar's log prefix is cleaned off
+    if named != "allows only the empty output":  # that one needs the tokenizer's matcher
+        with pytest.raises(InvalidRequestError, match=re.escape(named)) as info:
+            check_form(StructuredOutputsParams(**form))  # what a batch job checks before it starts
+        assert info.value.param == param
 
 
 def test_engine_refuses_before_admitting(engines):

@@ -45,11 +45,19 @@ CONTROL_BYTES_ALLOWED = frozenset({"regex", "choice", "grammar", "structural_tag
 
 def compile_form(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """The compiled grammar of one constraint; InvalidRequestError names the form and the reason."""
-    form = params.form
-    try:
-        return _COMPILE[form](compiler, params)
-    except RuntimeError as e:  # xgrammar's own refusals (its structural-tag errors are RuntimeErrors too)
-        raise _refusal(form, clean_xgrammar_error(e)) from None
+    kind, source = _xgrammar_source(params)
+    compile_ = {"json": lambda s: compiler.compile_json_schema(s, **_JSON_OPTIONS),
+                "ebnf": compiler.compile_grammar, "structural_tag": compiler.compile_structural_tag}[kind]
+    return _with_xgrammar_reason(params.form, compile_, source)
+
+
+def check_form(params: StructuredOutputsParams) -> None:
+    """Refuse what compile_form would refuse, without a tokenizer: a batch job checks its response
+    format before it starts an engine. The same checks, and xgrammar's grammar (not its token masks)."""
+    kind, source = _xgrammar_source(params)
+    build = {"json": lambda s: xgr.Grammar.from_json_schema(s, **_JSON_OPTIONS), "ebnf": xgr.Grammar.from_ebnf,
+             "structural_tag": xgr.Grammar.from_structural_tag}[kind]
+    _with_xgrammar_reason(params.form, build, source)
 
 
 def clean_xgrammar_error(error: Exception) -> str:
@@ -58,34 +66,37 @@ def clean_xgrammar_error(error: Exception) -> str:
     return _XGRAMMAR_CHECK_PREFIX.sub("", text)
 
 
-def _compile_json(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    schema = _JSON_OBJECT_SCHEMA if params.json_object else params.json
-    check_schema(schema)
+def _with_xgrammar_reason(form: str, build, source):
     try:
-        return compiler.compile_json_schema(json.dumps(schema), **_JSON_OPTIONS)
-    except RuntimeError as e:  # unsatisfiable bounds, regex features, ...
-        raise InvalidRequestError("the JSON schema is not supported by grammar-constrained decoding: "
-                                  f"{clean_xgrammar_error(e)}", param="structured_outputs") from None
+        return build(source)
+    except RuntimeError as e:  # xgrammar's own refusals (its structural-tag errors are RuntimeErrors too)
+        reason = clean_xgrammar_error(e)
+        if form in ("json", "json_object"):  # unsatisfiable bounds, regex features, ...
+            raise InvalidRequestError(f"the JSON schema is not supported by grammar-constrained decoding: {reason}",
+                                      param="structured_outputs") from None
+        raise _refusal(form, reason) from None
 
 
-def _compile_regex(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    try:
-        return compiler.compile_grammar(regex_to_ebnf(params.regex))
-    except UnsupportedRegexError as e:
-        raise _refusal("regex", str(e)) from None
+def _xgrammar_source(params: StructuredOutputsParams) -> tuple[str, Any]:
+    """("json", schema text) | ("ebnf", grammar text) | ("structural_tag", tag), checked first."""
+    form = params.form
+    if form in ("json", "json_object"):
+        schema = _JSON_OBJECT_SCHEMA if params.json_object else params.json
+        check_schema(schema)
+        return "json", json.dumps(schema)
+    if form == "regex":
+        try:
+            return "ebnf", regex_to_ebnf(params.regex)
+        except UnsupportedRegexError as e:
+            raise _refusal("regex", str(e)) from None
+    if form == "choice":  # an EBNF string literal per choice, every character escaped: no choice is read as syntax
+        return "ebnf", "root ::= " + " | ".join(_ebnf_literal(c) for c in params.choice)
+    if form == "grammar":
+        return "ebnf", params.grammar
+    return "structural_tag", _structural_tag(params.structural_tag)
 
 
-def _compile_choice(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    # An EBNF string literal per choice, every character escaped: no choice is read as syntax.
-    return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in params.choice))
-
-
-def _compile_grammar(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    return compiler.compile_grammar(params.grammar)
-
-
-def _compile_structural_tag(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    tag = params.structural_tag
+def _structural_tag(tag: dict[str, Any]) -> xgr.StructuralTag | dict[str, Any]:
     if "format" in tag:
         tag = _python_regexes(tag)
     else:  # vLLM's first shape: JSON schemas between begin and end strings, after a trigger
@@ -95,7 +106,7 @@ def _compile_structural_tag(compiler: xgr.GrammarCompiler, params: StructuredOut
             check_schema(schema)
         except InvalidRequestError as e:
             raise _refusal("structural_tag", f"a JSON schema in it: {e}") from None
-    return compiler.compile_structural_tag(tag)
+    return tag
 
 
 def _from_structures(tag: dict[str, Any]) -> xgr.StructuralTag:
@@ -147,7 +158,3 @@ def _ebnf_literal(text: str) -> str:
 
 def _refusal(form: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"structured_outputs.{form} is invalid: {why}", param=f"structured_outputs.{form}")
-
-
-_COMPILE = {"json": _compile_json, "json_object": _compile_json, "regex": _compile_regex,
-            "choice": _compile_choice, "grammar": _compile_grammar, "structural_tag": _compile_structural_tag}

@@ -28,7 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="sampling seed; each row's seed is derived from it and the row's id")
-    p.add_argument("--response-format", help="JSON Schema file (or an OpenAI response_format object)")
+    p.add_argument("--response-format",
+                   help="a JSON file: a JSON Schema, an OpenAI response_format object, or "
+                        '{"type": "regex"|"choice"|"grammar", "regex"|"choice"|"grammar": ...} or a '
+                        '{"type": "structural_tag", ...} (docs/batch.md)')
     p.add_argument("--num-replicas", type=int, default=1, help="engine actors")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine actor")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

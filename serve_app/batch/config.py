@@ -16,6 +16,9 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _DEVICES = ("auto", *DEVICES)  # the engine's devices, plus "auto"
 _MAX_CONCURRENT_BATCHES = 16  # bounds the actor's threads and the blocks it holds
+# response_format {"type": FORM, FORM: value}: the value under the key vLLM's structured_outputs uses
+_KEYED_FORMS = {"regex": "a Python regular expression", "choice": "a list of strings",
+                "grammar": "an EBNF grammar with a root rule"}
 
 
 @dataclass
@@ -29,7 +32,8 @@ class BatchConfig:
     temperature: float = 0.0                # greedy by default: a batch job should be reproducible
     top_p: float = 1.0
     seed: int | None = None                 # with temperature > 0: each row samples with a seed derived from (seed, id)
-    response_format: dict | None = None     # a JSON Schema, or {"type": "json_object"}; see `structured_outputs`
+    response_format: dict | None = None     # a JSON Schema, an OpenAI response_format, or a regex / choice /
+                                            # grammar / structural_tag form; see `structured_outputs`
     num_replicas: int = 1                   # engine actors (each holds one engine.LLM)
     tensor_parallel_size: int = 1           # GPUs per actor on CUDA
     device: str = "auto"
@@ -60,12 +64,14 @@ class BatchConfig:
         if self.max_concurrent_batches is not None:
             check_int("max_concurrent_batches", self.max_concurrent_batches, minimum=1)
         if self.response_format is not None:
-            self.structured_outputs()  # refuse a bad response_format now, not in an actor
+            # Refuse a bad response_format now, not in an actor; xgrammar (and torch) load only then.
+            from engine.core.grammar_forms import check_form
+            check_form(self.structured_outputs())
         self.sampling_params(0)  # SamplingParams' own checks on max_tokens, temperature, top_p, seed
 
     @classmethod
     def from_files(cls, template_file: str | None = None, response_format_file: str | None = None,
-                   **kwargs: Any) -> "BatchConfig":
+                   **kwargs: Any) -> BatchConfig:
         """The CLI's constructor: the template and the response format come from files."""
         if template_file is not None:
             kwargs["template"] = _read_text(template_file, "template")
@@ -78,20 +84,35 @@ class BatchConfig:
         return cls(**kwargs)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The engine constraint of `response_format`: OpenAI's {"type": "json_schema", "json_schema":
-        {"schema": ...}} or {"type": "json_object"}, or a bare JSON Schema."""
+        """The engine constraint of `response_format` (one JSON object; docs/batch.md):
+
+            {"type": "json_schema", "json_schema": {"schema": {...}}}    OpenAI
+            {"type": "json_object"}                                      OpenAI
+            {"type": "regex", "regex": "..."}                            vLLM's structured_outputs keys
+            {"type": "choice", "choice": ["...", ...]}
+            {"type": "grammar", "grammar": "root ::= ..."}
+            {"type": "structural_tag", "structures": [...], "triggers": [...]} or {..., "format": {...}}
+            any other object: a JSON Schema
+        """
         rf = self.response_format
         if rf is None:
             return None
         if not isinstance(rf, dict):
             raise ValueError(f"response_format must be a JSON object, got {type(rf).__name__}")
-        if rf.get("type") == "json_object":
+        kind = rf.get("type")
+        if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
-        if rf.get("type") == "json_schema":
+        if kind == "json_schema":
             schema = (rf.get("json_schema") or {}).get("schema")
             if schema is None:
                 raise ValueError("response_format of type json_schema needs json_schema.schema")
             return StructuredOutputsParams(json=schema)
+        if kind in _KEYED_FORMS:
+            if kind not in rf:
+                raise ValueError(f"response_format of type {kind} needs a {kind!r} key ({_KEYED_FORMS[kind]})")
+            return StructuredOutputsParams(**{kind: rf[kind]})
+        if kind == "structural_tag":
+            return StructuredOutputsParams(structural_tag=rf)
         return StructuredOutputsParams(json=rf)
 
     def sampling_params(self, row_id: Any) -> SamplingParams:

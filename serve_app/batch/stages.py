@@ -4,7 +4,7 @@
     generate     GPU actors   EngineStage: one engine.AsyncLLM per actor, a batch of rows per call,
                              several calls (batches) in one engine at once; the processor starts
                              these actors itself and Ray Data reaches them through EngineClient
-    postprocess  CPU tasks    JSON validation (the guardrail's check_output), user postprocess fn
+    postprocess  CPU tasks    output validation (JSON: the guardrail's check_output), user postprocess fn
 
 Rows carry `id`, then `prompt` after preprocess; generation adds `text`, `num_prompt_tokens`,
 `num_generated_tokens` and `finish_reason`. The engine tokenizes a plain prompt itself, as
@@ -19,12 +19,17 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 from typing import Any, Callable
 
 import pyarrow as pa
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from serve_app.batch.config import BatchConfig
 from serve_app.batch.prompts import ID, build_prompts, load_tokenizer, tokenize_prompts
 from serve_app.guard.policy import GuardrailPolicy, check_output
@@ -86,13 +91,29 @@ def postprocess_batch(batch: pa.Table, config: BatchConfig, postprocess: RowFn |
             if row["finish_reason"] == ERROR_FINISH_REASON:  # no text to check; its error stays
                 row["valid"] = False
                 continue
-            schema = None if structured.json_object else structured.json
-            result = check_output(row["text"], schema, structured.json_object, policy, row["finish_reason"])
-            row["valid"] = result.passed
-            row["error"] = None if result.passed else f"{result.reason}: {result.message}"
+            row["error"] = output_error(structured, row["text"], row["finish_reason"], policy)
+            row["valid"] = row["error"] is None
     if postprocess is not None:
         rows = [{**row, **_checked(postprocess(dict(row)), "postprocess", row)} for row in rows]
     return to_table(rows)
+
+
+def output_error(structured: StructuredOutputsParams, text: str, finish_reason: str,
+                 policy: GuardrailPolicy) -> str | None:
+    """Why a finished row's text breaks its response_format, or None. JSON is checked by the
+    guardrail against the whole schema; a regex by re.fullmatch; a choice by membership; a grammar
+    or structural tag has no checker but its own, so only a complete document passes ("stop": the
+    grammar accepted it whole; "length": max_tokens cut it off)."""
+    cut = " (max_tokens cut it off)" if finish_reason == "length" else ""
+    if structured.form in ("json", "json_object"):
+        schema = None if structured.json_object else structured.json
+        result = check_output(text, schema, structured.json_object, policy, finish_reason)
+        return None if result.passed else f"{result.reason}: {result.message}"
+    if structured.form == "regex":
+        return None if re.fullmatch(structured.regex, text) else f"regex: the output does not match the pattern{cut}"
+    if structured.form == "choice":
+        return None if text in structured.choice else f"choice: the output is none of the choices{cut}"
+    return None if finish_reason == "stop" else f"{structured.form}: the document is incomplete{cut}"
 
 
 def _checked(out: Any, name: str, row: dict[str, Any]) -> dict[str, Any]:
