@@ -1,8 +1,13 @@
-"""Schema-constrained decoding against plain decoding of the same lengths, in one run.
+"""Grammar-constrained decoding against plain decoding of the same lengths, in one run.
 
-    python -m loadtest.guided_bench [--num-requests 64] [--device cpu|cuda] [--model DIR]
+    python -m loadtest.guided_bench [--form json|regex|choice|tools] [--num-requests 64]
+                                    [--device cpu|cuda] [--model DIR]
 
-Each round runs the requests twice through one `LLM`: first with a JSON schema
+Forms: json (a nested schema of many small fields), regex (the same records as lines of a
+bounded pattern), choice (one of 16 long sentences), tools (the schema the HTTP tier builds for
+tool_choice="required": a list of calls, each one of three tools' name and parameters).
+
+Each round runs the requests twice through one `LLM`: first with the form's constraint
 (grammar-constrained, seeded sampling at temperature 1; each request stops when
 its document is complete), then without one, each request given exactly the
 number of tokens its constrained twin produced (ignore_eos). The figure is
@@ -21,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.report import format_table, write_json
 from loadtest.measure import run_metadata
+from loadtest.report import format_table, write_json
 
 # Long documents of many small fields: the grammar is consulted at every token.
 SCHEMA = {
@@ -38,14 +43,49 @@ SCHEMA = {
     "required": ["items"],
     "additionalProperties": False,
 }
+# The same records, one a line: "item <name> qty <n> ok <yes|no>".
+REGEX = r"(item [a-z]{1,10} qty [0-9]{1,3} ok (yes|no)\n){6,12}"
+CHOICES = [f"option {i}: the {w} report is ready for review by the {w} team before the end of the week"
+           for i, w in enumerate(["sales", "support", "finance", "legal", "design", "ops", "growth", "data",
+                                  "security", "platform", "mobile", "web", "research", "infra", "hr", "it"])]
+# Tool parameters bounded as SCHEMA's fields are, so that every call completes within --max-tokens.
+TOOLS = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]},
+    "search": {"type": "object", "properties": {
+        "query": {"type": "string", "maxLength": 30}, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["query"]},
+    "book_meeting": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 20},
+        "attendees": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}},
+        "minutes": {"type": "integer", "minimum": 15, "maximum": 120}},
+        "required": ["title", "attendees"]},
+}
+
+
+def tools_schema(tools: dict[str, dict]) -> dict:
+    """tool_choice="required": one or more calls, each naming a tool and giving its parameters."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+              "required": ["name", "parameters"]} for name, params in tools.items()]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
+def structured_outputs(form: str):
+    from engine import StructuredOutputsParams
+
+    return {"json": lambda: StructuredOutputsParams(json=SCHEMA),
+            "regex": lambda: StructuredOutputsParams(regex=REGEX),
+            "choice": lambda: StructuredOutputsParams(choice=CHOICES),
+            "tools": lambda: StructuredOutputsParams(json=tools_schema(TOOLS))}[form]()
 
 
 def _params(args, lengths: list[int] | None):
-    from engine import SamplingParams, StructuredOutputsParams
+    from engine import SamplingParams
 
     if lengths is None:
-        return [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
-                               structured_outputs=StructuredOutputsParams(json=SCHEMA))
+        constraint = structured_outputs(args.form)
+        return [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, structured_outputs=constraint)
                 for i in range(args.num_requests)]
     return [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
 
@@ -82,7 +122,7 @@ def run(args) -> dict:
             ratios.append(t_plain / t_guided)
     tokens = sum(lengths)
     result = {
-        "num_requests": args.num_requests, "output_tokens": tokens,
+        "form": args.form, "num_requests": args.num_requests, "output_tokens": tokens,
         "guided_tok_s": tokens / best["guided"], "plain_tok_s": tokens / best["plain"],
         "async_scheduling": llm.llm_engine.async_scheduling, "host_waits_per_guided_run": waits,
     }
@@ -93,6 +133,8 @@ def run(args) -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--form", choices=["json", "regex", "choice", "tools"], default="json",
+                   help="the constraint timed against plain decoding (default: json)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
@@ -110,8 +152,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    print(format_table(["requests", "tokens", "guided tok/s", "plain tok/s", "guided / plain"],
-                       [[result["num_requests"], result["output_tokens"], result["guided_tok_s"],
+    print(format_table(["form", "requests", "tokens", "guided tok/s", "plain tok/s", "guided / plain"],
+                       [[result["form"], result["num_requests"], result["output_tokens"], result["guided_tok_s"],
                          result["plain_tok_s"], result["ratio"]]]))
     write_json(args.out, {"meta": run_metadata(sys.argv), "result": result})
     return 0
