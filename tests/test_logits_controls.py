@@ -11,6 +11,8 @@ from engine.worker.logits_controls import RowGuard, TokenControls, apply_bad_wor
 from engine.worker.sampler import Sampler
 
 VOCAB = 64
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 PROMPT = {"prompt_token_ids": list(range(40, 72))}  # 32 tokens: a few requests overflow the tiny cache
 
 
@@ -69,16 +71,17 @@ def test_row_guard_restores_only_rows_left_empty():
 
 
 # -- in the sampler -----------------------------------------------------------------
-def test_sampler_applies_them_and_reports_raw_logprobs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampler_applies_them_and_reports_raw_logprobs(device):
     torch.manual_seed(0)
-    row = torch.randn(VOCAB)
+    row = torch.randn(VOCAB, device=device)
     top = int(row.argmax())
     n = 400
     seqs = ([make_seq(temperature=0.0, logit_bias={top: -100})]
             + [make_seq(temperature=1.0, logit_bias={7: 100}, logprobs=0, seed=s) for s in range(n)]
             + [make_seq(temperature=1.0, allowed_token_ids=[2, 3, 5], seed=s) for s in range(n)]
             + [make_seq(temperature=0.0)])
-    ids, records = Sampler(seed=0)(row.expand(len(seqs), -1).contiguous(), seqs)
+    ids, records = Sampler(seed=0, device=device)(row.expand(len(seqs), -1).contiguous(), seqs)
     assert ids[0] == int(row.topk(2).indices[1])  # the greedy pick is banned: the runner-up
     assert set(ids[1:1 + n]) == {7}                # +100 forces it at temperature 1
     assert set(ids[1 + n:1 + 2 * n]) == {2, 3, 5}  # and the allowed set is sampled from, all of it
@@ -87,12 +90,14 @@ def test_sampler_applies_them_and_reports_raw_logprobs():
     assert records[1].logprob == pytest.approx(torch.log_softmax(row, -1)[7].item(), abs=1e-5)
 
 
-def test_controls_yield_to_the_grammar_when_they_would_leave_nothing():
-    logits = torch.zeros(1, VOCAB)
-    bitmask = torch.zeros(1, VOCAB // 32, dtype=torch.int32)
-    bitmask[0, 0] = 1 << 4  # the grammar allows token 4 only
-    ids, _ = Sampler(seed=0)(logits, [make_seq(temperature=1.0, allowed_token_ids=[9])], bitmask)
-    assert ids == [4]
+@pytest.mark.parametrize("device", DEVICES)
+def test_controls_yield_to_the_grammar_when_they_would_leave_nothing(device):
+    logits = torch.zeros(2, VOCAB, device=device)
+    bitmask = torch.zeros(2, VOCAB // 32, dtype=torch.int32)
+    bitmask[:, 0] = 1 << 4  # the grammar allows token 4 only
+    seqs = [make_seq(temperature=1.0, allowed_token_ids=[9]), make_seq(temperature=0.0, output=[3], bad_words=[[4]])]
+    ids, _ = Sampler(seed=0, device=device)(logits, seqs, bitmask.to(device))
+    assert ids == [4, 4]
 
 
 # -- through the engine ---------------------------------------------------------------

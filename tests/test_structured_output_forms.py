@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from engine import (
     LLM,
@@ -113,6 +114,21 @@ def test_outputs_do_not_depend_on_overlapped_scheduling(runs):
     """Seeded rows sample from their own generators: the overlapped engine writes the same documents."""
     texts = {overlap: [c.text for out in outs for c in out.outputs] for overlap, (_, outs, _) in runs.items()}
     assert texts[True] == texts[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_form_on_cuda(tiny_llama):
+    """bf16 logits, CUDA graphs and overlapped scheduling (on by default on CUDA): the same contract."""
+    llm = LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.3)
+    assert llm.llm_engine.async_scheduling
+    names = [name for name in _forms() for _ in SEEDS]
+    params = [SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=48, structured_outputs=form)
+              for form in _forms().values() for seed in SEEDS]
+    for name, out in zip(names, llm.generate(["Write:"] * len(params), params, use_tqdm=False)):
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and _matches(name, c.text), (name, c.text)
+    llm.llm_engine.block_manager.check_no_leak()
 
 
 def test_streamed_regex_output_matches(tiny_llama):
