@@ -4,7 +4,7 @@
                          form by engine/core/grammar_forms.py
     new_matcher(c)       one Matcher per sequence; it lives on the Sequence, so it survives preemption
     fill_bitmask(...)    step loop; int32 [num_seqs, ceil(vocab/32)], applied to the logits first
-    accept_token(t)      after each sampled token; is_finished() then says whether the document is done
+    follow(token_ids)    after each sampled token; is_finished() then says whether the document is done
 
 On top of the grammar, constrained rows never allow special tokens other than the stop tokens,
 and JSON rows no tokens with raw control bytes (see `_writable_token_ids`).
