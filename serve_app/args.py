@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from engine.config import DEVICES, EngineConfig, ModelConfig
+from engine.entrypoints.tool_parsers import get_tool_parser
 from serve_app.guard.policy import GuardrailPolicy
 
 STREAM_INTERVAL_MS = 20.0
@@ -172,6 +173,14 @@ class AppArgs(_DeclaredElsewhere):
     api_key: str | None = None
     max_request_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     metrics_prefix: str = "rayllm"
+    # A request field that neither OpenAI nor vLLM defines: "reject" answers 400 naming it (OpenAI's
+    # behaviour; a typo never passes silently), "ignore" drops it (clients that send extras of their
+    # own). Fields the APIs define but this server does not do are refused either way.
+    unknown_request_fields: Literal["reject", "ignore"] = "reject"
+    # How tool calls are found in a completion's text for tool_choice "auto" (vLLM's --tool-call-parser):
+    # "hermes" (Qwen2.5, Qwen3, Hermes), "llama3_json" (Llama 3.x), "mistral". None: "auto" is a 400;
+    # "required" and a named tool need no parser (their calls are grammar-constrained).
+    tool_call_parser: str | None = None
 
     @model_validator(mode="after")
     def _check_relations(self) -> "AppArgs":
@@ -187,6 +196,11 @@ class AppArgs(_DeclaredElsewhere):
                              "the Ingress runs in every engine replica (min_replicas/max_replicas)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        if self.tool_call_parser is not None:
+            try:
+                get_tool_parser(self.tool_call_parser)
+            except ValueError as e:
+                raise ValueError(f"tool_call_parser: {e}") from None
         try:
             GuardrailPolicy.from_args(self.guardrails)  # a bad regex or limit fails here, at start
         except ValueError as e:

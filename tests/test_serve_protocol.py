@@ -332,7 +332,8 @@ def test_history_with_tool_calls_and_tool_results():
     assert req.template_messages() == [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
 
 

@@ -2,7 +2,7 @@
 
     request -> auth, body limit, pydantic validation (400s) -> admission (503 + Retry-After)
             -> _prepare: @serve.batch of PrepJobs: chat templates + tokenization, one call per batch
-            -> one engine stream per prompt (via Guardrails when response_format asks for JSON)
+            -> one engine stream per prompt (via Guardrails when the output has a contract: JSON, tool calls)
             -> JSON body, or SSE chunks ... data: [DONE]
 
 Batching and streaming: the batch covers only the prompt work, which ends before any
@@ -39,15 +39,16 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.core.detokenizer import decode_token
 from engine.entrypoints.prompts import load_tokenizer
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
 from serve_app.replica.client import LocalEngineFactory, RemoteEngine, merge_streams
 from serve_app.replica.draining import flush_serve_logs
-from serve_app.http.errors import (OpenAIError, from_validation_error, from_value_error, model_not_found,
-                              overloaded)
+from serve_app.http.errors import (OpenAIError, bad_request, from_validation_error, from_value_error,
+                                   model_not_found, overloaded)
 from serve_app.http.http_util import check_api_key, error_response, install_error_handlers, read_body
 from serve_app.http.access_log import RequestInfo
-from serve_app.http.messages import EngineRequest
+from serve_app.http.messages import EngineRequest, OutputSpec
 from serve_app.http.cluster_metrics import ClusterMetrics
 from serve_app.metrics import IngressMetrics
 from serve_app.http.preprocess import ModelLimits, Prepared, PrepJob, prepare_batch
@@ -72,8 +73,17 @@ _load_tokenizer = load_tokenizer
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     try:
         return req.to_sampling_params()
+    except InvalidRequestError as e:  # named already after the field the client sent
+        raise bad_request(str(e), param=e.param, code=e.code) from None
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def _output_spec(req: ChatCompletionRequest, args: AppArgs) -> OutputSpec:
+    try:
+        return req.output_spec(args.reasoning_parser, args.tool_call_parser)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param=e.param) from None
 
 
 class _SSEResponse(StreamingResponse):
@@ -162,23 +172,28 @@ class Ingress:
                 if req.echo and req.logprobs is not None else None
             builder = CompletionBuilder(request_id, req.model, req.n, len(prepared.prompt_token_ids), req.logprobs,
                                         req.include_usage, echo_texts=echo, echo_first_tokens=first_tokens)
-            return await self._generate(request, request_id, prepared, params, builder, req.stream,
-                                        json_mode=req.json_mode)
+            source = req.structured_source
+            output = OutputSpec(param=source) if req.json_mode else None
+            return await self._generate(request, request_id, prepared, params, builder, req.stream, output, source)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
         params = _sampling_params(req)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        output = _output_spec(req, self.args)
         with self._admit():
             prepared = await self._prepare(PrepJob(
-                max_tokens=params.max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message))
+                max_tokens=params.max_tokens, messages=req.template_messages(),
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                tools=req.template_tools(), chat_template_kwargs=req.chat_template_kwargs))
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             k = (req.top_logprobs or 0) if req.logprobs else None
-            builder = ChatBuilder(request_id, req.model, req.n, 1, k, req.include_usage)
+            # Without a reasoning parser or tools the text is all content: nothing to read per delta.
+            reads = output.reasoning_parser is not None or output.tools is not None
+            builder = ChatBuilder(request_id, req.model, req.n, 1, k, req.include_usage,
+                                  output=output if reads else None, include_reasoning=req.include_reasoning)
             return await self._generate(request, request_id, prepared, params, builder, req.stream,
-                                        json_mode=req.json_mode)
+                                        output if req.json_mode else None, req.structured_source)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -210,8 +225,9 @@ class Ingress:
         request.state.arrival = time.monotonic()  # the access log's latency counts from here
         check_api_key(request, self.args.api_key)
         body = await read_body(request, self.args.max_request_body_bytes)
+        extra = "ignore" if self.args.unknown_request_fields == "ignore" else None  # None: the models' "forbid"
         try:
-            req = model_cls.model_validate_json(body)
+            req = model_cls.model_validate_json(body, extra=extra)
         except ValidationError as e:
             raise from_validation_error(e) from None
         if req.model != self.args.model_name:
@@ -276,16 +292,20 @@ class Ingress:
                 "root": self.args.model, "parent": None, "max_model_len": limits.max_model_len}
 
     async def _generate(self, request: Request, request_id: str, prepared: Prepared, params: SamplingParams,
-                        builder: ResponseBuilder, stream: bool, json_mode: bool) -> Response:
+                        builder: ResponseBuilder, stream: bool, output: OutputSpec | None,
+                        param_source: str | None) -> Response:
+        """`output`: the guardrail's contract (JSON, tool calls), for a request it must check; None: none."""
+        json_mode = output is not None
         engine = self.json_engine if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
-                                  prepared.batch_id, stream=stream)
+                                  prepared.batch_id, stream=stream, output=output)
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([engine.stream(r) for r in requests])
         info = RequestInfo(request.method, request.url.path, request_id,
                            sum(len(ids) for ids in prepared.prompt_token_ids), request.state.arrival)
         request.state.access_info = info  # for the error answer's line, if the engine refuses (http_util)
-        gen = Generation(items, builder, self.metrics.request(json_mode, info), self.args.retry_after_s)
+        gen = Generation(items, builder, self.metrics.request(json_mode, info), self.args.retry_after_s,
+                         param_source)
         try:
             await gen.first()
             if not stream:

@@ -8,6 +8,7 @@ Pure functions of (tokenizer, jobs): tested without Ray.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.entrypoints.prompts import ModelLimits, check_prompt, encode, has_chat_template, render_chats
@@ -26,7 +27,18 @@ class PrepJob:
     messages: list[dict] | None = None            # chat: [{"role", "content"}], rendered with the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[dict] | None = None               # chat: OpenAI function tools, for the template
+    chat_template_kwargs: dict | None = None      # chat: template variables (enable_thinking, ...)
     submit_time: float = 0.0                     # time.monotonic() when it entered the micro-batch queue
+
+    def template_key(self) -> tuple:
+        """Jobs with equal keys render in one template call (same flags, tools and variables)."""
+        return (self.add_generation_prompt, self.continue_final_message,
+                _canonical(self.tools), _canonical(self.chat_template_kwargs))
+
+
+def _canonical(value) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -49,15 +61,18 @@ def prepare_batch(tokenizer, jobs: list[PrepJob], limits: ModelLimits) -> list[P
 
 
 def _render_chats(tokenizer, jobs, results) -> dict[int, str]:
-    """Chat template for every chat job; one call per (add_generation_prompt, continue) flag pair."""
-    groups: dict[tuple[bool, bool], list[int]] = {}
+    """Chat template for every chat job; one call per group of jobs with the same template_key."""
+    groups: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
         if job.messages is not None:
-            groups.setdefault((job.add_generation_prompt, job.continue_final_message), []).append(i)
+            groups.setdefault(job.template_key(), []).append(i)
     rendered: dict[int, str] = {}
-    for (gen, cont), idx in groups.items():
-        texts = render_chats(tokenizer, [jobs[i].messages for i in idx], add_generation_prompt=gen,
-                             continue_final_message=cont)
+    for idx in groups.values():
+        first = jobs[idx[0]]
+        texts = render_chats(tokenizer, [jobs[i].messages for i in idx],
+                             add_generation_prompt=first.add_generation_prompt,
+                             continue_final_message=first.continue_final_message, tools=first.tools,
+                             chat_template_kwargs=first.chat_template_kwargs)
         for i, text in zip(idx, texts):
             if isinstance(text, InvalidRequestError):
                 results[i] = _template_refused(text, tokenizer)
@@ -68,7 +83,7 @@ def _render_chats(tokenizer, jobs, results) -> dict[int, str]:
 
 def _template_refused(error: InvalidRequestError, tokenizer) -> OpenAIError:
     reason = str(error) if has_chat_template(tokenizer) else "the model has no chat template; use /v1/completions"
-    return bad_request(f"The chat template cannot render these messages: {reason}", param="messages")
+    return bad_request(f"The chat template cannot render these messages: {reason}", param=error.param or "messages")
 
 
 def _collect_texts(jobs, rendered, results) -> tuple[dict[bool, list[str]], dict[tuple[int, int], tuple[bool, int]]]:

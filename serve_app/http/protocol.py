@@ -255,13 +255,22 @@ class ChatCompletionRequest(_SamplingFields):
         """The output has a contract the guardrail checks: a JSON form, or tool calls."""
         return super().json_mode or self.tool_mode != "none"
 
+    @property
+    def structured_source(self) -> str | None:
+        mode = self.tool_mode
+        if mode == "named":
+            return f"tools.{self._named_tool()[0]}.function.parameters"
+        if mode == "required":
+            return "tools"
+        return super().structured_source
+
     def structured_choice(self) -> StructuredChoice | None:
         """A forced call's grammar (protocol_chat.py), or the request's structured form."""
         mode = self.tool_mode
         if mode == "named":
-            index, tool = self._named_tool()
-            source = f"tools.{index}.function.parameters"
-            return StructuredChoice(structured_params({"json": tool.function.schema}, source), source)
+            source = self.structured_source
+            schema = self._named_tool()[1].function.schema
+            return StructuredChoice(structured_params({"json": schema}, source), source)
         if mode == "required":
             schema = required_calls_schema(self.tools, self.parallel_tool_calls)
             return StructuredChoice(structured_params({"json": schema}, "tools"), "tools")
@@ -275,8 +284,7 @@ class ChatCompletionRequest(_SamplingFields):
         """How the reply is read, given the server's parsers (app args); InvalidRequestError (a 400)
         for "auto" on a server without a tool-call parser."""
         mode = self.tool_mode
-        structured = super().structured_choice()  # the JSON contract's field, if any (a forced call has none)
-        param = structured.source if structured else "response_format"
+        param = super().structured_source or "response_format"  # the JSON contract's field (a forced call has none)
         if mode == "none":
             return OutputSpec(reasoning_parser, None, param)
         if mode == "auto" and tool_call_parser is None:

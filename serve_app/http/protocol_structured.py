@@ -189,6 +189,12 @@ class StructuredFields(StrictModel):
         return StructuredChoice(structured_params(form, source), source)
 
     @property
+    def structured_source(self) -> str | None:
+        """The field the structured-output form came in (what an error about it names)."""
+        sources = self._form_sources()
+        return sources[0][0] if sources else None
+
+    @property
     def json_mode(self) -> bool:
         """The output is one JSON document the guardrail validates."""
         return any(("json" in form or "json_object" in form) for _, form in self._form_sources())
