@@ -16,7 +16,8 @@ from engine.entrypoints.prompts import check_chat_template_kwargs
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serve_app.http.messages import OutputSpec, ToolsSpec
-from serve_app.http.protocol_base import COMMON_UNSUPPORTED, StrictModel, Unsupported
+from serve_app.http.protocol_base import (CHAT_UNSUPPORTED, COMMON_UNSUPPORTED, COMPLETION_UNSUPPORTED, StrictModel,
+                                          Unsupported)
 from serve_app.http.protocol_chat import (ChatMessage, ChatTool, NamedToolChoice, parse_tool_choice,
                                           required_calls_schema)
 from serve_app.http.protocol_structured import StructuredChoice, StructuredFields, structured_params
@@ -103,13 +104,7 @@ class _SamplingFields(StructuredFields):
 
 
 class CompletionRequest(_SamplingFields):
-    UNSUPPORTED = {
-        **COMMON_UNSUPPORTED,
-        "prompt_embeds": Unsupported("prompts are text or token ids"),
-        "prompt_logprobs": Unsupported("use echo with logprobs, which scores the prompt's tokens too"),
-        "add_special_tokens": Unsupported("a text prompt is always encoded with the tokenizer's special tokens",
-                                          (True,)),
-    }
+    UNSUPPORTED = COMPLETION_UNSUPPORTED
 
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below with one clear message
     max_tokens: int | None = Field(16, ge=1)
@@ -161,31 +156,7 @@ def _is_token_id(t: Any) -> bool:
 
 
 class ChatCompletionRequest(_SamplingFields):
-    UNSUPPORTED = {
-        **COMMON_UNSUPPORTED,
-        # OpenAI
-        "audio": Unsupported("audio output is not supported"),
-        "modalities": Unsupported("the output is text", (["text"],)),
-        "prediction": Unsupported("predicted outputs are not supported"),
-        "web_search_options": Unsupported("web search is not supported"),
-        "functions": Unsupported("the deprecated functions API is not supported; send tools"),
-        "function_call": Unsupported("the deprecated function_call is not supported; send tool_choice"),
-        "reasoning_effort": Unsupported("reasoning is the model's; turn it off with chat_template_kwargs, "
-                                        "e.g. {\"enable_thinking\": false}, where its template reads that"),
-        "verbosity": Unsupported("the model's verbosity is not adjustable", ("medium",)),
-        "moderation": Unsupported("moderation is not supported"),
-        "prompt_cache_retention": Unsupported("the prefix cache keeps blocks while memory allows", ("in_memory",)),
-        "prompt_cache_options": Unsupported("the prefix cache is automatic"),
-        # vLLM
-        "echo": Unsupported("the reply never repeats the last message", (False,)),
-        "add_special_tokens": Unsupported("the chat template writes the special tokens", (False,)),
-        "documents": Unsupported("documents (RAG templates) are not supported"),
-        "chat_template": Unsupported("the checkpoint's chat template renders every request"),
-        "media_io_kwargs": Unsupported("multimodal input is not supported"),
-        "prompt_logprobs": Unsupported("use /v1/completions with echo and logprobs"),
-        "thinking_token_budget": Unsupported("reasoning length is bounded by max_tokens only"),
-        "session_id": Unsupported("requests carry no session"),
-    }
+    UNSUPPORTED = CHAT_UNSUPPORTED
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)

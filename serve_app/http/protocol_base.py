@@ -58,7 +58,7 @@ def _same(value: Any, neutral: Any) -> bool:
         and isinstance(neutral, (int, float)) and not isinstance(neutral, bool) and value == neutral)
 
 
-# -- the fields both routes refuse ---------------------------------------------------------
+# -- the fields each route refuses (the tables every decision is in) -----------------------------
 _NO_BEAM = Unsupported("the engine samples; it has no beam search", (False,))
 COMMON_UNSUPPORTED: dict[str, Unsupported] = {
     # OpenAI
@@ -82,4 +82,38 @@ COMMON_UNSUPPORTED: dict[str, Unsupported] = {
     "mm_processor_kwargs": Unsupported("multimodal input is not supported"),
     "guided_whitespace_pattern": Unsupported("grammars write no free whitespace"),
     "watermarking": Unsupported("watermarking is not supported", (False,)),
+}
+
+COMPLETION_UNSUPPORTED: dict[str, Unsupported] = {
+    **COMMON_UNSUPPORTED,
+    "prompt_embeds": Unsupported("prompts are text or token ids"),
+    "prompt_logprobs": Unsupported("use echo with logprobs, which scores the prompt's tokens too"),
+    "add_special_tokens": Unsupported("a text prompt is always encoded with the tokenizer's special tokens",
+                                      (True,)),
+}
+
+CHAT_UNSUPPORTED: dict[str, Unsupported] = {
+    **COMMON_UNSUPPORTED,
+    # OpenAI
+    "audio": Unsupported("audio output is not supported"),
+    "modalities": Unsupported("the output is text", (["text"],)),
+    "prediction": Unsupported("predicted outputs are not supported"),
+    "web_search_options": Unsupported("web search is not supported"),
+    "functions": Unsupported("the deprecated functions API is not supported; send tools"),
+    "function_call": Unsupported("the deprecated function_call is not supported; send tool_choice"),
+    "reasoning_effort": Unsupported("reasoning is the model's; turn it off with chat_template_kwargs, "
+                                    "e.g. {\"enable_thinking\": false}, where its template reads that"),
+    "verbosity": Unsupported("the model's verbosity is not adjustable", ("medium",)),
+    "moderation": Unsupported("moderation is not supported"),
+    "prompt_cache_retention": Unsupported("the prefix cache keeps blocks while memory allows", ("in_memory",)),
+    "prompt_cache_options": Unsupported("the prefix cache is automatic"),
+    # vLLM
+    "echo": Unsupported("the reply never repeats the last message", (False,)),
+    "add_special_tokens": Unsupported("the chat template writes the special tokens", (False,)),
+    "documents": Unsupported("documents (RAG templates) are not supported"),
+    "chat_template": Unsupported("the checkpoint's chat template renders every request"),
+    "media_io_kwargs": Unsupported("multimodal input is not supported"),
+    "prompt_logprobs": Unsupported("use /v1/completions with echo and logprobs"),
+    "thinking_token_budget": Unsupported("reasoning length is bounded by max_tokens only"),
+    "session_id": Unsupported("requests carry no session"),
 }
