@@ -336,3 +336,23 @@ def test_chat_template_override_and_its_refusals(tiny_qwen2):
     with pytest.raises(ValueError, match=r"messages\[1\]: the chat template cannot render it: no bad words"):
         llm.chat([CHAT, [{"role": "user", "content": "bad"}]], use_tqdm=False, chat_template=picky)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_chat_passes_tools_and_template_kwargs_to_the_template(tiny_qwen3_tools):
+    llm = LLM(tiny_qwen3_tools, dtype="float32", device="cpu")
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=2)
+    [out] = llm.chat(CHAT, params, use_tqdm=False, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
+    expected = tok.apply_chat_template(CHAT, tools=TOOLS, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
+    assert out.prompt == expected and '"get_weather"' in expected and expected.endswith("</think>\n\n")
+    [plain] = llm.chat(CHAT, params, use_tqdm=False)
+    assert "get_weather" not in plain.prompt and not plain.prompt.endswith("</think>\n\n")
+    with pytest.raises(ValueError, match="chat_template_kwargs") as info:  # a kwarg the renderer sets itself
+        llm.chat(CHAT, params, use_tqdm=False, chat_template_kwargs={"tools": []})
+    assert info.value.param == "chat_template_kwargs"
