@@ -67,7 +67,7 @@ def cmdline(pid: int) -> str:
 def snapshot(client_pid: int | None = None) -> dict[str, float]:
     """CPU seconds used so far, summed per role; `client_pid` (the load generator) as "client"."""
     totals: dict[str, float] = {}
-    for pid in _pids():
+    for pid in pids():
         role = "client" if pid == client_pid else role_of(cmdline(pid)) or _child_role(pid)
         cpu = _cpu_seconds(pid) if role else None
         if cpu is not None:
@@ -83,14 +83,14 @@ def difference(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 def per_process() -> dict[int, float]:
     """CPU seconds used so far by every process on the box, by pid."""
     out = {}
-    for pid in _pids():
+    for pid in pids():
         cpu = _cpu_seconds(pid)
         if cpu is not None:
             out[pid] = cpu
     return out
 
 
-def _pids():
+def pids():
     """The pids of the box's processes (none where there is no /proc)."""
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if entry.name.isdigit():

@@ -99,18 +99,19 @@ def own_ray_cluster(shared_cluster) -> None:
     shared_cluster.stop()
 
 
-RAY_FIXTURES = ("ray_cluster", "own_ray_cluster")
-
-
 def pytest_collection_modifyitems(items):
     """Tests that start a Ray cluster of their own run last (in their order), so that the shared one
-    is started once and stopped once. Under pytest-xdist (`make test` runs two workers) every test
-    that uses Ray is in one xdist group, so one worker runs them all on one cluster, in this order,
-    while the other runs the rest: two clusters on a 2-core box would only fight over the cores."""
+    is started once and stopped once. Under pytest-xdist (`make test` runs two workers,
+    `--dist loadgroup`) the tests on the shared cluster are one xdist group (one worker runs them
+    all, in order, on one cluster) and those with a cluster of their own another, which the other
+    worker runs beside the tests that need no Ray."""
     items.sort(key=lambda item: "own_ray_cluster" in getattr(item, "fixturenames", ()))
     for item in items:
-        if any(name in getattr(item, "fixturenames", ()) for name in RAY_FIXTURES):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        names = getattr(item, "fixturenames", ())
+        if "own_ray_cluster" in names:
+            item.add_marker(pytest.mark.xdist_group("own_ray_cluster"))
+        elif "ray_cluster" in names:
+            item.add_marker(pytest.mark.xdist_group("shared_ray_cluster"))
 
 
 @pytest.fixture(scope="session", autouse=True)

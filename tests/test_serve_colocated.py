@@ -10,7 +10,7 @@ import os
 import pytest
 from ray import serve
 
-from loadtest.proc_cpu import snapshot
+from loadtest.proc_cpu import cmdline, parent_pid, pids, role_of
 from serve_app.local import call_deployment, deployed_app, engine_deployment
 from tests.test_serve import (API_KEY, DEFAULT_BATCHING, ENGINE, MAX_BODY, MODEL, PROMPTS, _app_metrics, _metric,
                               _wait_metric, client, http, reference)  # noqa: F401 - the fixtures are tests/test_serve.py's
@@ -43,8 +43,11 @@ def test_one_deployment_runs_the_engine_on_every_core(base_url, app_name):
     assert engine_deployment(app_name) == "Ingress"  # where loadtest asks for the engine's stats
     stats = call_deployment(app_name, "Ingress", "get_stats")
     assert stats["cpu_threads"] == len(os.sched_getaffinity(0))  # not Ray's OMP_NUM_THREADS=1
-    roles = snapshot()  # this box's processes by role (loadtest/proc_cpu.py)
-    assert "engine_core" in roles and "engine_replica" not in roles  # the step loop in a child of the Ingress
+    # This app's processes (another cluster may run beside this one): the step loop runs in a
+    # child of the Ingress, and no engine replica exists.
+    replicas = {pid: cmdline(pid) for pid in pids() if f"ServeReplica:{app_name}:" in cmdline(pid)}
+    assert replicas and all(role_of(c) == "ingress" for c in replicas.values()), replicas
+    assert any(parent_pid(pid) in replicas and role_of(cmdline(pid)) is None for pid in pids())
 
 
 def test_user_config_reaches_both_the_batching_and_the_engine(base_url, app_name):
