@@ -33,12 +33,16 @@ ORDERS = (("offline", "async", "serve"), ("serve", "offline", "async"), ("async"
 
 def cluster_pids(own_pid: int) -> list[int]:
     """The served app's processes: every descendant of this process (the local cluster it started)
-    and every process with a serving role (HAProxy runs daemonized, outside that tree)."""
+    and its HAProxy, which runs daemonized, outside that tree (found by the state directory that
+    serve_app.local gave this cluster's HAProxy, in its config path; any HAProxy if none was
+    given). Another cluster on the box (the test suite runs one beside this) is left alone."""
     pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
     children: dict[int, list[int]] = {}
     for pid in pids:
         children.setdefault(parent_pid(pid), []).append(pid)
-    found, stack = {pid for pid in pids if role_of(cmdline(pid))}, [own_pid]
+    state_dir = os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "")
+    found = {pid for pid in pids if role_of(cmdline(pid)) == "haproxy" and state_dir in cmdline(pid)}
+    stack = [own_pid]
     while stack:
         for child in children.get(stack.pop(), ()):
             found.add(child)

@@ -199,3 +199,38 @@ def test_paired_arguments(capsys):
         with pytest.raises(SystemExit):
             overhead.parse_args(bad)
         assert message in capsys.readouterr().err
+
+
+def test_cluster_pids_take_this_clusters_haproxy_and_not_anothers(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from loadtest.overhead_paired import cluster_pids
+
+    # Two daemonized "HAProxy"s (their shell exits: outside this process's tree), one per state dir.
+    mine, other = tmp_path / "haproxy-serve-mine", tmp_path / "haproxy-serve-other"
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(60)'"
+    for state_dir in (mine, other):
+        subprocess.run(["sh", "-c", f"{sleeper} haproxy -f {state_dir}/x/haproxy.cfg >/dev/null 2>&1 &"], check=True)
+    found = {}
+    deadline = time.monotonic() + 30
+    while len(found) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = {d: p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+                 for d in (mine, other) if f"{d}/x/haproxy.cfg" in _cmdline(p)}
+    try:
+        assert len(found) == 2
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", str(mine))
+        pids = cluster_pids(os.getpid())
+        assert found[mine] in pids and found[other] not in pids
+    finally:
+        for pid in found.values():
+            os.kill(pid, 9)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
