@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.core.structured_output import StructuredOutputManager
-from engine.worker.sampler import apply_token_bitmask
+from engine.worker.sampler import _apply_token_bitmask_torch, apply_token_bitmask
 
 # Nested, with everything the issue lists: objects, arrays with maxItems, enums, integer and
 # number ranges, nullable fields, additionalProperties false, required. maxLength keeps the
@@ -105,8 +105,8 @@ def test_invalid_schema_is_a_value_error(manager, schema, where):
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf'"),
     ({"type": "object", "properties": {"a": {}}, "anyOf": [{"required": ["a"]}]}, "'anyOf' next to 'properties'"),
     ({"$ref": "https://example.com/schema.json"}, "'$ref'"),
-    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'required' (at #) is not supported by "
-                                                                      "grammar-constrained decoding: it names 'b'"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, ("'required' (at #) is not supported by "
+                                                                       "grammar-constrained decoding: it names 'b'")),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
     ({"type": "string", "pattern": "^(a)\\1$"}, "Backreference"),
 ])
@@ -143,12 +143,13 @@ def test_bitmask_layout_matches_xgrammar(manager, tok):
     allowed = _allowed(bitmask[0])
     assert allowed and all(tok.decode([t]).startswith("{") for t in allowed)
     assert not allowed & set(range(len(tok), vocab))  # the model's padding ids are never allowed
-    # The sampler's masking equals xgrammar's own kernel on the same bitmask.
+    # The sampler's masking (xgrammar's kernel on CPU, torch ops elsewhere) equals xgrammar's own.
     logits = torch.randn(2, vocab)
-    ours, theirs = logits.clone(), logits.clone()
+    ours, torch_ops, theirs = logits.clone(), logits.clone(), logits.clone()
     apply_token_bitmask(ours, bitmask)
+    _apply_token_bitmask_torch(torch_ops, bitmask)
     xgr.apply_token_bitmask_inplace(theirs, bitmask)
-    assert torch.equal(ours, theirs)
+    assert torch.equal(ours, theirs) and torch.equal(torch_ops, theirs)
 
 
 def test_matcher_walks_a_valid_document_and_finishes(manager, tok):
@@ -185,6 +186,38 @@ def test_batched_fill_equals_one_row_at_a_time(manager, tok):
     for t in ids:
         done.accept_token(t)
     assert manager.fill_bitmask([done, batch[0]])[0].eq(-1).all()
+
+
+@pytest.mark.parametrize("fill", ["serial", "batched"])
+def test_step_bitmask_equals_each_matchers_own_mask_along_documents(manager, tok, monkeypatch, fill):
+    """fill_bitmask writes stale rows straight into the step's bitmask (xgrammar's batch matcher on
+    a machine with cores to spare, the step thread otherwise) and copies the masks a matcher still
+    holds (is_finished() fills one when the document could end): at every token of several
+    documents, each row equals a fresh matcher's own mask for the same prefix."""
+    if fill == "batched":
+        monkeypatch.setattr(manager, "_batch_matcher", xgr.BatchGrammarMatcher(max_threads=2))
+        monkeypatch.setattr(manager, "_fill_rows", manager._fill_batched)
+    else:
+        monkeypatch.setattr(manager, "_fill_rows", manager._fill_serial)
+    docs = [(_json(ORDER), '{"id": 12, "status": "paid", "items": [{"sku": "ab", "qty": 3}]}'),
+            (StructuredOutputsParams(regex=r"(ab\n|[0-9]+\t)+"), "ab\n12\tab\n"),  # keeps control bytes
+            (_json({"type": "integer"}), "1234"),  # complete after every digit: is_finished() fills
+            (_json({"type": "string", "maxLength": 5}), '"x y"')]
+    walks = [(params, _ids(tok, text)) for params, text in docs]
+    batch = [manager.new_matcher(manager.compile(params)) for params, _ in walks] + [None]
+    for step in range(max(len(ids) for _, ids in walks) + 1):
+        for m in batch[:-1]:
+            m.is_finished()  # as the engine asks after each token
+        filled = manager.fill_bitmask(batch)
+        for row, (params, ids) in enumerate(walks):
+            fresh = manager.new_matcher(manager.compile(params))
+            for t in ids[:step]:
+                fresh.accept_token(t)
+            expected = torch.full_like(filled[row], -1) if fresh.is_finished() else fresh.next_token_mask()
+            assert torch.equal(filled[row], expected), (row, step)
+            if step < len(ids):
+                batch[row].accept_token(ids[step])
+        assert filled[-1].eq(-1).all()
 
 
 def test_a_number_that_may_grow_is_not_finished(manager, tok):

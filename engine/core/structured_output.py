@@ -75,19 +75,18 @@ class Matcher:
         """int32 [num_words]: bit j of word w set <=> token 32*w + j may come next."""
         if self._mask_stale:
             self._matcher.fill_next_token_bitmask(self._mask, 0)
-            self._set_mask(self._mask[0])
+            self._mask.copy_(_keep_writable(self._mask, self._writable_words))
+            self._mask_stale = False
         return self._mask[0]
 
     @property
-    def needs_fill(self) -> bool:
-        return self.reasoning_ended and self._mask_stale and not self._matcher.is_terminated()
+    def mask_is_stale(self) -> bool:
+        """No mask is cached for the current state (a token was accepted since the last fill)."""
+        return self._mask_stale
 
-    def _set_mask(self, filled: torch.Tensor) -> None:
-        """Cache xgrammar's mask for the next token (filled alone or in a batch), writable tokens only."""
-        writable = filled & self._writable_words
-        # Never empty a row; the guardrail still checks what comes out.
-        self._mask[0] = writable if writable.any() else filled
-        self._mask_stale = False
+    @property
+    def writable_words(self) -> torch.Tensor:
+        return self._writable_words
 
     def is_finished(self) -> bool:
         """The sequence must end now: the grammar accepted a stop token (also with ignore_eos,
@@ -125,7 +124,12 @@ class StructuredOutputManager:
         self._cache: collections.OrderedDict[str, CompiledConstraint] = collections.OrderedDict()
         self._max_cached = max_cached_grammars
         self._lock = threading.Lock()  # compile() runs on worker threads
-        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        # xgrammar's threads fill the rows of a step in parallel (its default count: half the cores).
+        # With no core to spare (2 cores, both the forward's) they only wait on each other and on
+        # the forward's threads: the step thread then fills the rows itself.
+        fill_threads = min(8, (os.cpu_count() or 1) // 2)
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads) if fill_threads > 1 else None
+        self._fill_rows = self._fill_batched if self._batch_matcher is not None else self._fill_serial
 
     def _writable_token_ids(self, special: set[int], control_bytes: bool) -> set[int]:
         """Tokens a document may contain, on top of what the grammar says:
@@ -187,13 +191,34 @@ class StructuredOutputManager:
         32*w + j). Rows without a live grammar (none, finished, or waiting for the reasoning to
         end) are all ones (-1): every token allowed."""
         bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
-        stale = [i for i, m in enumerate(matchers) if m is not None and m.needs_fill]
-        if len(stale) > 1:  # one call, xgrammar's threads over the rows, instead of a Python loop
-            self._batch_matcher.batch_fill_next_token_bitmask([matchers[i]._matcher for i in stale],
-                                                              bitmask, stale)
-            for i in stale:
-                matchers[i]._set_mask(bitmask[i])
-        for i, matcher in enumerate(matchers):
-            if matcher is not None and matcher.reasoning_ended:
-                bitmask[i] = -1 if matcher.is_finished() else matcher.next_token_mask()
+        live = [i for i, m in enumerate(matchers) if m is not None and m.reasoning_ended and not m.is_finished()]
+        # A matcher whose mask is still current (is_finished() filled it) is copied, the rest filled
+        # here straight into the step's rows, and every row then narrowed in a few batched ops.
+        stale = [i for i in live if matchers[i].mask_is_stale]
+        self._fill_rows([matchers[i] for i in stale], bitmask, stale)
+        for i in live:
+            if not matchers[i].mask_is_stale:
+                bitmask[i] = matchers[i].next_token_mask()
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # id(writable words) -> (them, rows)
+        for i in stale:
+            groups.setdefault(id(matchers[i].writable_words), (matchers[i].writable_words, []))[1].append(i)
+        for writable, rows in groups.values():
+            index = torch.tensor(rows)
+            bitmask.index_copy_(0, index, _keep_writable(bitmask.index_select(0, index), writable))
         return bitmask
+
+    def _fill_serial(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        for matcher, i in zip(matchers, rows):
+            matcher._matcher.fill_next_token_bitmask(bitmask, i)
+
+    def _fill_batched(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        if rows:
+            self._batch_matcher.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
+
+
+def _keep_writable(filled: torch.Tensor, writable: torch.Tensor) -> torch.Tensor:
+    """filled: int32 [num_rows, num_words] from xgrammar; writable: int32 [num_words]. Each row
+    narrowed to the writable tokens, unless that empties it: never empty a row (the guardrail
+    still checks what comes out)."""
+    narrowed = filled & writable
+    return torch.where(narrowed.ne(0).any(dim=1, keepdim=True), narrowed, filled)

@@ -193,6 +193,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.dim() != 2 or bitmask.shape[0] != num_seqs or bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"allowed_token_bitmask must be [{num_seqs}, >= {(vocab + 31) // 32}], "
                          f"got {tuple(bitmask.shape)}")
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and bitmask.dtype == torch.int32:
+        # xgrammar (which filled the bitmask) has a CPU kernel: one pass and no temporaries, whose
+        # allocation slowed the next forward on CPU (docs/benchmarks.md, issue 32).
+        from xgrammar import apply_token_bitmask_inplace
+
+        apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+    else:
+        _apply_token_bitmask_torch(logits, bitmask)
+
+
+def _apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_token_bitmask on any device, in torch ops (shapes checked by the caller)."""
+    vocab = logits.shape[1]
     words = bitmask.to(logits.device, torch.int32, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     # [num_seqs, num_words, 32] -> [num_seqs, num_words * 32]; token t is at column t.
