@@ -3,21 +3,21 @@
     python -m loadtest.guided_bench [--form json|regex|choice|tools] [--num-requests 64]
                                     [--async-scheduling] [--device cpu|cuda] [--model DIR]
 
-Forms: json (a nested schema of many small fields, strings bounded both ways), regex (the same records as lines of a
-bounded pattern), choice (one of 16 long sentences), tools (the schema the HTTP tier builds for
-tool_choice="required": a list of calls, each one of three tools' name and parameters).
+Forms: json (a nested schema of many small fields, strings bounded both ways), regex (the same
+records as lines of a bounded pattern), choice (one of 16 long sentences), tools (the schema the
+HTTP tier builds for tool_choice="required": a list of calls, each one of three tools' name and
+parameters).
 
 Each round runs the requests twice through one `LLM`: first with the form's constraint
-(grammar-constrained, seeded sampling at temperature 1; each request stops when
-its document is complete), then without one, each request given exactly the
-number of tokens its constrained twin produced (ignore_eos). The figure is
-output tokens per second of wall time; the ratio constrained / plain is what
-grammar-constrained decoding costs (and, beside it, plain / constrained CPU seconds of
-this process, which a neighbour's load moves less). Prefix caching is off, so that neither twin reuses the
-other's (identical) prompts. Rates are the best of `--rounds` per side;
-the ratio is the median of the rounds' ratios (each round's two runs are back
-to back, so a noisy neighbour moves both; an even count takes the mean of the middle two). Model loading and one warm-up round
-excluded. Default model: the CPU bench model
+(grammar-constrained, seeded sampling at temperature 1; each request stops when its document is
+complete), then without one, each request given exactly the number of tokens its constrained
+twin produced (ignore_eos). Prefix caching is off, so that neither twin reuses the other's
+(identical) prompts. The figure is output tokens per second of wall time; the ratio
+constrained / plain is what grammar-constrained decoding costs, and beside it plain /
+constrained CPU seconds of this process, which a neighbour's load moves less. Rates are the
+best of `--rounds` per side; each ratio is the median of the rounds' own ratios (a round's two
+runs are back to back, so a noisy neighbour moves both; an even count takes the mean of the
+middle two). Model loading and one warm-up round excluded. Default model: the CPU bench model
 (loadtest.offline); on a GPU pass the Qwen3-0.6B shape from engine.tools.tiny_model.
 """
 from __future__ import annotations

@@ -194,8 +194,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         raise ValueError(f"allowed_token_bitmask must be [{num_seqs}, >= {(vocab + 31) // 32}], "
                          f"got {tuple(bitmask.shape)}")
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and bitmask.dtype == torch.int32:
-        # xgrammar (which filled the bitmask) has a CPU kernel: one pass and no temporaries, whose
-        # allocation slowed the next forward on CPU (docs/benchmarks.md, issue 32).
+        # xgrammar (which filled the bitmask) has a CPU kernel: one pass, no [num_seqs, vocab]
+        # temporaries, half the torch ops' CPU (docs/benchmarks.md, issue 32).
         from xgrammar import apply_token_bitmask_inplace
 
         apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
