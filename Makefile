@@ -48,12 +48,11 @@ serve: setup $(DEMO_GGUF)
 		--dtype float32 --max-num-seqs 64 --max-model-len 2048 $(SERVE_FLAGS)
 
 # -X faulthandler: a crash, even at exit after pytest's summary, prints every thread's stack.
-# -n 2 --dist loadgroup: the tests that use Ray run in order on one worker (one cluster), the
-# others beside them on a second worker (tests/conftest.py); the Ray tests wait on Ray much of
-# the time, so the cores are otherwise half idle.
-# --durations: the slowest tests, to keep the suite under its 12 minutes on 2 cores.
+# --durations: the slowest tests, to keep the suite's time in view on 2 cores. One process: two
+# pytest-xdist workers (`-n 2 --dist loadgroup`, grouped in tests/conftest.py) saturate 2 cores
+# and slow the Ray tests as much as they save (docs/benchmarks.md, "The test suite's time").
 test: setup
-	$(BIN)/python -X faulthandler -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(BIN)/python -X faulthandler -m pytest -q --durations=25
 
 bench: setup
 	$(BIN)/python -m loadtest.offline

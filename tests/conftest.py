@@ -101,10 +101,9 @@ def own_ray_cluster(shared_cluster) -> None:
 
 def pytest_collection_modifyitems(items):
     """Tests that start a Ray cluster of their own run last (in their order), so that the shared one
-    is started once and stopped once. Under pytest-xdist (`make test` runs two workers,
-    `--dist loadgroup`) the tests on the shared cluster are one xdist group (one worker runs them
-    all, in order, on one cluster) and those with a cluster of their own another, which the other
-    worker runs beside the tests that need no Ray."""
+    is started once and stopped once. Under pytest-xdist (`-n 2 --dist loadgroup`, for a box with
+    cores to spare) the tests on the shared cluster are one xdist group (one worker runs them all,
+    in order, on one cluster) and those with a cluster of their own another."""
     items.sort(key=lambda item: "own_ray_cluster" in getattr(item, "fixturenames", ()))
     for item in items:
         names = getattr(item, "fixturenames", ())
