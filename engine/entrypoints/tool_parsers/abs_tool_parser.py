@@ -18,7 +18,7 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-from engine.entrypoints.tool_parsers.utils import partial_tag_len
+from engine.entrypoints.tool_parsers.utils import NotACall, partial_tag_len
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -104,6 +104,21 @@ class ToolStreamer:
         self._emit_content(self._buffer[:start])
         self._buffer = self._buffer[start:]
         return self._buffer.startswith(tag)
+
+    def _take_after(self, marker: str, take, final: bool) -> bool:
+        """The buffer starts with `marker`: `take(final)` emits what follows and returns where it
+        ends (None: wait for more), or raises NotACall, and the marker is given back as content.
+        Then back to text."""
+        try:
+            end = take(final)
+        except NotACall:
+            self._emit_content(marker)
+            end = len(marker)
+        if end is None:
+            return False
+        self._buffer = self._buffer[end:]
+        self._phase = self._in_text
+        return True
 
     def _new_call_id(self) -> str:
         return make_tool_call_id()

@@ -38,16 +38,7 @@ class HermesToolStreamer(ToolStreamer):
 
     def _in_call(self, final: bool) -> bool:
         """The buffer starts with <tool_call>: take one call, wait, or give the tag back as content."""
-        try:
-            end = self._take_call(final)
-        except NotACall:
-            self._emit_content(TOOL_CALL_START)
-            end = len(TOOL_CALL_START)
-        if end is None:
-            return False
-        self._buffer = self._buffer[end:]
-        self._phase = self._in_text
-        return True
+        return self._take_after(TOOL_CALL_START, self._take_call, final)
 
     def _take_call(self, final: bool) -> int | None:
         """Emit the call at the start of the buffer and return where it ends; None: wait for more."""

@@ -52,16 +52,7 @@ class MistralToolStreamer(ToolStreamer):
 
     def _in_calls(self, final: bool) -> bool:
         """The buffer starts with [TOOL_CALLS]: take its calls, wait, or give the marker back."""
-        try:
-            end = self._take_calls(final)
-        except NotACall:
-            self._emit_content(TOOL_CALLS)
-            end = len(TOOL_CALLS)
-        if end is None:
-            return False
-        self._buffer = self._buffer[end:]
-        self._phase = self._in_text
-        return True
+        return self._take_after(TOOL_CALLS, self._take_calls, final)
 
     def _take_calls(self, final: bool) -> int | None:
         """Emit the calls after the marker and return where they end; None: wait for more."""
