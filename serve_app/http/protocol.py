@@ -16,11 +16,26 @@ from engine.entrypoints.prompts import check_chat_template_kwargs
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serve_app.http.messages import OutputSpec, ToolsSpec
-from serve_app.http.protocol_base import (CHAT_UNSUPPORTED, COMMON_UNSUPPORTED, COMPLETION_UNSUPPORTED, StrictModel,
-                                          Unsupported)
-from serve_app.http.protocol_chat import (ChatMessage, ChatTool, NamedToolChoice, parse_tool_choice,
-                                          required_calls_schema)
-from serve_app.http.protocol_structured import StructuredChoice, StructuredFields, structured_params
+from serve_app.http.protocol_base import (
+    CHAT_UNSUPPORTED,
+    COMMON_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    StrictModel,
+    Unsupported,
+    check_token_ids,
+)
+from serve_app.http.protocol_chat import (
+    ChatMessage,
+    ChatTool,
+    NamedToolChoice,
+    parse_tool_choice,
+    required_calls_schema,
+)
+from serve_app.http.protocol_structured import (
+    StructuredChoice,
+    StructuredFields,
+    structured_params,
+)
 
 
 class StreamOptions(StrictModel):
@@ -72,12 +87,7 @@ class _SamplingFields(StructuredFields):
             return v
         raise ValueError("must be a string or a list of strings")
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
-        return v
+    _check_stop_token_ids = field_validator("stop_token_ids")(check_token_ids)
 
     @model_validator(mode="after")
     def _check_common(self):

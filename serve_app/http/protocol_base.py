@@ -117,3 +117,11 @@ CHAT_UNSUPPORTED: dict[str, Unsupported] = {
     "thinking_token_budget": Unsupported("reasoning length is bounded by max_tokens only"),
     "session_id": Unsupported("requests carry no session"),
 }
+
+
+def check_token_ids(v: list[int] | None) -> list[int] | None:
+    """A field of token ids (stop_token_ids, allowed_token_ids): none negative; the vocabulary
+    bound is the engine's, which knows it."""
+    if v is not None and any(t < 0 for t in v):
+        raise ValueError("token ids must be >= 0")
+    return v

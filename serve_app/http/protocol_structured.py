@@ -21,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import STRUCTURED_OUTPUT_FORMS, StructuredOutputsParams
-from serve_app.http.protocol_base import StrictModel, Unsupported
+from serve_app.http.protocol_base import StrictModel, Unsupported, check_token_ids
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -145,12 +145,7 @@ class StructuredFields(StrictModel):
                 raise ValueError(f"the bias of token {token} is {bias}: must be in [-100, 100]")
         return v
 
-    @field_validator("allowed_token_ids")
-    @classmethod
-    def _check_token_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
-        return v
+    _check_allowed_token_ids = field_validator("allowed_token_ids")(check_token_ids)
 
     @field_validator("bad_words")
     @classmethod
