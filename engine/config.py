@@ -49,6 +49,13 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Per layer, "full_attention" or "sliding_attention" (attending to the last `sliding_window`
+    # positions only); None: every layer full.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # The checkpoint's config.json as read: the keys only one architecture uses (expert counts,
+    # soft-caps, ...) are read by that model's class from here, not copied into a field each.
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -74,12 +81,7 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "<missing>")
         _refuse_unsupported_features(hf, arch)
         heads = hf["num_attention_heads"]
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or None  # transformers 5 / 4 names
-        rope_theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope is not None and (rope.get("rope_type") or rope.get("type") or "default") == "default":
-            rope = None
-        elif rope is not None:
-            rope = dict(rope, rope_type=rope.get("rope_type") or rope.get("type"))
+        rope_theta, rope = _rope_scaling(hf)
         eos = hf.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -91,7 +93,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             intermediate_size=hf["intermediate_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -101,7 +103,21 @@ class ModelConfig:
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", ""),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            hf_config=hf,
         )
+
+
+def _rope_scaling(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, the scaling dict with its "rope_type", or None for plain RoPE), from either form:
+    transformers 4's `rope_theta` + `rope_scaling` ({"type": ...} or {"rope_type": ...}) or
+    transformers 5's `rope_parameters` (theta inside)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or None
+    rope_theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+    if rope is not None and (rope.get("rope_type") or rope.get("type") or "default") == "default":
+        rope = None
+    elif rope is not None:
+        rope = dict(rope, rope_type=rope.get("rope_type") or rope.get("type"))
+    return float(rope_theta), rope
 
 
 def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
