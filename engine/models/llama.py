@@ -63,10 +63,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp  # mlp: a mixture-of-experts block (engine/models/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,15 +83,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp=None):
+        """make_mlp(layer_idx) -> that layer's feed-forward module, or None for the dense LlamaMLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers ([max_position, head_dim] float32: 64 MiB for
         # Llama 3.1's 131072 positions, which a per-layer copy would multiply by 32).
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, make_mlp and make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -115,10 +116,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """Layer `layer_idx`'s feed-forward module; None: the dense LlamaMLP (MoE models override)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden states [num_tokens, hidden_size]."""
