@@ -40,7 +40,13 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # None, or {"rope_type": "llama3", ...}
+    # None (plain RoPE) or {"rope_type": "yarn", ...}: every key the rotary reads, resolved (_rope_scaling)
+    rope_scaling: dict | None = None
+    # The sliding-attention layers' RoPE where it differs (Gemma 3: `rope_local_base_freq`, or
+    # rope_parameters["sliding_attention"]): a complete {"rope_type", "rope_theta", ...};
+    # None: every layer uses rope_theta and rope_scaling.
+    rope_local: dict | None = None
+    partial_rotary_factor: float = 1.0  # RoPE turns the first int(head_dim * this) features of each head
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections have a bias (Qwen2)
@@ -64,9 +70,7 @@ class ModelConfig:
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
+        _check_rope(self)
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike) -> "ModelConfig":
@@ -81,7 +85,6 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "<missing>")
         _refuse_unsupported_features(hf, arch)
         heads = hf["num_attention_heads"]
-        rope_theta, rope = _rope_scaling(hf)
         eos = hf.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -93,9 +96,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             intermediate_size=hf["intermediate_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            **_rope_scaling(hf),  # rope_theta, rope_scaling, rope_local, partial_rotary_factor, max positions
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -107,24 +108,89 @@ class ModelConfig:
         )
 
 
-def _rope_scaling(hf: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, the scaling dict with its "rope_type", or None for plain RoPE), from either form:
-    transformers 4's `rope_theta` + `rope_scaling` ({"type": ...} or {"rope_type": ...}) or
-    transformers 5's `rope_parameters` (theta inside)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or None
-    rope_theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-    if rope is not None and (rope.get("rope_type") or rope.get("type") or "default") == "default":
-        rope = None
-    elif rope is not None:
-        rope = dict(rope, rope_type=rope.get("rope_type") or rope.get("type"))
-    return float(rope_theta), rope
+# RoPE types the rotary implements (engine/layers/rotary.py) and the keys each needs once resolved.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's RoPE fields from config.json in either form seen on the hub:
+    transformers 4's `rope_theta` + `rope_scaling` ({"type": ...} or {"rope_type": ...}, Gemma 3's
+    `rope_local_base_freq`) or transformers 5's `rope_parameters` (theta inside; Gemma 3's nested
+    per layer type, {"full_attention": {...}, "sliding_attention": {...}}); `partial_rotary_factor`
+    at the top or inside. As transformers does, `rope_scaling` wins over `rope_parameters` and keys
+    inside the dict over those at the top. max_position_embeddings grows to what yarn
+    (original * factor) and dynamic (max * factor) are for, as vLLM derives it."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    nested = any(isinstance(params.get(k), dict) for k in ("full_attention", "sliding_attention"))
+    full = (params.get("full_attention") or {}) if nested else params
+    max_pos = hf.get("max_position_embeddings", 2048)
+    theta = float(full.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    scaling = _resolve_rope(full, hf, max_pos)
+    local = params.get("sliding_attention") if nested else None
+    if local is not None or "rope_local_base_freq" in hf:
+        local = dict(_resolve_rope(local or {}, hf, max_pos) or {"rope_type": "default"},
+                     rope_theta=float((local or {}).get("rope_theta") or hf.get("rope_local_base_freq") or theta))
+        if local == dict(scaling or {"rope_type": "default"}, rope_theta=theta):
+            local = None  # the same RoPE on every layer
+    partial = full.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+    factor = (scaling or {}).get("factor") or 1.0
+    grown = {"yarn": (scaling or {}).get("original_max_position_embeddings", 0) * factor,
+             "dynamic": max_pos * factor}.get((scaling or {}).get("rope_type"), 0)
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local=local, partial_rotary_factor=float(partial),
+                max_position_embeddings=max(max_pos, int(grown)))
+
+
+def _resolve_rope(rope: dict[str, Any], hf: dict[str, Any], max_pos: int) -> dict[str, Any] | None:
+    """One RoPE dict with its "rope_type" and the lengths it reads filled in as HF fills them; None: plain."""
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "default":
+        return None
+    rope = {k: v for k, v in rope.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    rope["rope_type"] = "longrope" if rope_type == "su" else rope_type  # "su": early Phi-3 configs
+    if rope["rope_type"] == "dynamic":  # HF's NTK grows past max_position_embeddings itself
+        rope["original_max_position_embeddings"] = max_pos
+    elif rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        # Phi-3 keeps it at the top, which HF prefers to the dict's
+        rope["original_max_position_embeddings"] = (hf.get("original_max_position_embeddings")
+                                                    or rope.get("original_max_position_embeddings") or max_pos)
+        if rope["rope_type"] != "llama3" and rope.get("factor") is None:
+            rope["factor"] = max_pos / rope["original_max_position_embeddings"]
+    return rope
+
+
+def _check_rope(config: ModelConfig) -> None:
+    """Unknown types and missing keys fail at start, naming them (torch-free: ROPE_TYPES mirrors the rotary)."""
+    if not 0.0 < config.partial_rotary_factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor={config.partial_rotary_factor} is invalid: must be in (0, 1]")
+    rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+    if rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor={config.partial_rotary_factor} of head_dim={config.head_dim} "
+                         f"gives an odd rotary dimension {rotary_dim}")
+    for name, rope in (("rope_scaling", config.rope_scaling), ("rope_local", config.rope_local)):
+        rope_type = (rope or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{name} type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if rope.get(k) is None]
+        if missing:
+            raise ValueError(f"{name} of type {rope_type!r} lacks {missing}")
+        for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+            if len(rope[key]) != rotary_dim // 2:
+                raise ValueError(f"{name}[{key!r}] has {len(rope[key])} factors, expected rotary_dim / 2 = "
+                                 f"{rotary_dim // 2}")
 
 
 def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     """Refuse what we would otherwise silently mis-run."""
     check_architecture(arch)
     sliding = hf.get("sliding_window")
-    uses_sliding = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+    uses_sliding = hf.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))
     if sliding is not None and uses_sliding and sliding < hf.get("max_position_embeddings", 0):
         raise ValueError(f"sliding_window={sliding} is not supported (sliding-window attention is not implemented)")
     if hf.get("quantization_config"):

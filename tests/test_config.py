@@ -94,3 +94,70 @@ def test_importing_the_config_does_not_import_torch():
     """The HTTP tier builds EngineConfigs (serve_app/args.py) and must not need torch."""
     code = "import sys, engine.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- RoPE: both config forms, per-layer-type RoPE, partial rotary (engine.config._rope_scaling) --
+
+def _hf(**kw) -> dict:
+    return dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                num_attention_heads=4, intermediate_size=128, max_position_embeddings=4096, **kw)
+
+
+def _rope_fields(config: ModelConfig) -> tuple:
+    return (config.rope_theta, config.rope_scaling, config.rope_local, config.partial_rotary_factor,
+            config.max_position_embeddings)
+
+
+def test_rope_reads_alike_in_transformers_4_and_5_forms():
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 4096}
+    v4 = ModelConfig.from_hf_dict(_hf(rope_theta=1e6, rope_scaling={"type": "yarn", **yarn}))
+    v5 = ModelConfig.from_hf_dict(_hf(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, **yarn}))
+    assert _rope_fields(v4) == _rope_fields(v5) == (1e6, {"rope_type": "yarn", **yarn}, None, 1.0, 16384)
+    plain = ModelConfig.from_hf_dict(_hf(rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    assert _rope_fields(plain) == (5e5, None, None, 1.0, 4096)
+
+
+def test_per_layer_type_rope_in_both_gemma3_forms():
+    """Gemma 3: global layers linear-scaled on base 1e6, sliding layers plain on base 1e4."""
+    v4 = ModelConfig.from_hf_dict(_hf(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                      rope_local_base_freq=10000.0))
+    v5 = ModelConfig.from_hf_dict(_hf(rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    expected = (1e6, {"rope_type": "linear", "factor": 8.0}, {"rope_type": "default", "rope_theta": 10000.0}, 1.0, 4096)
+    assert _rope_fields(v4) == _rope_fields(v5) == expected
+    same = ModelConfig.from_hf_dict(_hf(rope_parameters={"full_attention": {"rope_theta": 1e4},
+                                                         "sliding_attention": {"rope_theta": 1e4}}))
+    assert (same.rope_theta, same.rope_scaling, same.rope_local) == (1e4, None, None)
+
+
+def test_longrope_and_partial_rotary_as_phi3_configs_spell_them():
+    factors = [1.0] * 6
+    early = _hf(partial_rotary_factor=0.75, original_max_position_embeddings=1024,
+                rope_scaling={"type": "su", "short_factor": factors, "long_factor": factors})
+    config = ModelConfig.from_hf_dict(early)
+    assert config.partial_rotary_factor == 0.75 and config.max_position_embeddings == 4096
+    assert config.rope_scaling == {"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+                                   "original_max_position_embeddings": 1024, "factor": 4.0}
+    inside = _hf(rope_parameters={"rope_type": "longrope", "partial_rotary_factor": 0.75, "rope_theta": 1e4,
+                                  "short_factor": factors, "long_factor": factors, "factor": 4.0,
+                                  "original_max_position_embeddings": 1024})
+    assert _rope_fields(ModelConfig.from_hf_dict(inside)) == _rope_fields(config)
+
+
+@pytest.mark.parametrize("hf,message", [
+    (_hf(rope_scaling={"rope_type": "xpos", "factor": 2.0}), "rope_scaling type 'xpos' is not supported"),
+    (_hf(rope_scaling={"type": "linear"}), r"rope_scaling of type 'linear' lacks \['factor'\]"),
+    (_hf(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     r"lacks \['low_freq_factor', 'high_freq_factor'\]"),
+    (_hf(partial_rotary_factor=1.5), r"partial_rotary_factor=1.5 is invalid"),
+    (_hf(partial_rotary_factor=0.3125), "gives an odd rotary dimension 5"),  # head_dim 16
+    (_hf(rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}),
+     r"rope_scaling\['short_factor'\] has 3 factors, expected rotary_dim / 2 = 8"),
+    (_hf(rope_parameters={"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_type": "nope"}}),
+     "rope_local type 'nope' is not supported"),
+])
+def test_bad_rope_fails_at_start_naming_it(hf, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(hf)
+

@@ -15,7 +15,7 @@ from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, get_rope
 
 
 class LlamaAttention(nn.Module):
@@ -89,8 +89,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers ([max_position, head_dim] float32: 64 MiB for
         # Llama 3.1's 131072 positions, which a per-layer copy would multiply by 32).
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                     config.rope_scaling)
+        rotary_emb = get_rope(config)  # rope_scaling, partial_rotary_factor
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, make_mlp and make_mlp(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
