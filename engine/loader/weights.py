@@ -8,6 +8,7 @@ loading them runs arbitrary code.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,8 @@ from engine.layers.linear import copy_weight
 _INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors we recompute rather than load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in a MoE layer: `...mlp.experts.3.gate_proj.weight`.
+_EXPERT_TENSOR = re.compile(r"\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -46,18 +49,35 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, object]:
-    """HF tensor name -> (our parameter name, shard id or None)."""
+    """HF tensor name -> (our parameter name, shard id or None).
+
+    A MoE model's `expert_params_mapping` (checkpoint projection -> (our stacked parameter,
+    part)) sends `X.experts.{e}.{proj}.weight` to `X.experts.{param}` with shard id (e, part).
+    A `packed_modules_mapping` entry with shard id None only renames the module."""
+    shard = None
+    expert = _EXPERT_TENSOR.search(name)
+    if expert and expert["proj"] in getattr(model, "expert_params_mapping", {}):
+        param, part = model.expert_params_mapping[expert["proj"]]
+        name, shard = f"{name[:expert.start()]}.experts.{param}", (int(expert["expert"]), part)
     for ckpt_module, (our_module, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{ckpt_module}." in name:
-            return name.replace(f".{ckpt_module}.", f".{our_module}."), shard_id
-    return name, None
+            return name.replace(f".{ckpt_module}.", f".{our_module}."), shard if shard_id is None else shard_id
+    return name, shard
 
 
 def _expected_checkpoint_names(model: nn.Module, params: dict[str, nn.Parameter]) -> set[str]:
-    """Every HF tensor name the model needs: fused parameters expand to their parts."""
+    """Every HF tensor name the model needs: fused parameters expand to their parts, stacked
+    experts to one tensor per expert."""
     expected = set(params)
+    for proj, (our_param, _) in getattr(model, "expert_params_mapping", {}).items():
+        for name, param in params.items():
+            if name.endswith(f".experts.{our_param}"):
+                expected.discard(name)
+                prefix = name[: -len(our_param)]
+                expected.update(f"{prefix}{e}.{proj}.weight" for e in range(param.shape[0]))
+    ours = sorted(expected)
     for ckpt_module, (our_module, _) in getattr(model, "packed_modules_mapping", {}).items():
-        for name in params:
+        for name in ours:
             if f".{our_module}." in name:
                 expected.discard(name)
                 expected.add(name.replace(f".{our_module}.", f".{ckpt_module}."))
@@ -85,7 +105,7 @@ def load_named_tensors(model: nn.Module, tensors, source: str, kind: str) -> Non
     through that parameter's weight_loader; the thunk runs only for a tensor that is loaded.
     Raises ValueError naming missing weights and the file's unexpected `kind` (file names)."""
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
-    seen, unexpected = set(), []
+    seen, unexpected, whole = set(), [], set()  # whole: parameters loaded from one tensor (shard id None)
     for file_name, name, tensor in tensors:
         param_name, shard_id = _target(model, name) if name else (None, None)
         param = params.get(param_name)
@@ -99,7 +119,10 @@ def load_named_tensors(model: nn.Module, tensors, source: str, kind: str) -> Non
             label = file_name if file_name == name else f"{file_name} ({name})"
             raise ValueError(f"cannot load {label!r} from {source}: {e}") from e
         seen.add(name)
-    missing = sorted(_expected_checkpoint_names(model, params) - seen)
+        if shard_id is None:
+            whole.add(param_name)
+    # A part is not missing when its parameter came whole (e.g. transformers 5's fused experts).
+    missing = sorted(n for n in _expected_checkpoint_names(model, params) - seen if _target(model, n)[0] not in whole)
     if missing or unexpected:
         raise ValueError(f"{source} does not match the model: missing weights {missing[:20]}"
                          f"{' ...' if len(missing) > 20 else ''}; unexpected {kind} {sorted(unexpected)[:20]}"

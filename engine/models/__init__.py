@@ -14,6 +14,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # same graph; sliding window is refused by ModelConfig
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",    # q/k/v bias and tied embeddings come from ModelConfig
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 

@@ -10,6 +10,8 @@ arguments give byte-identical files.
                     **config_overrides) -> Path
 
 arch: llama | mistral | qwen2 | qwen3 (None: llama, or the preset's own arch).
+moe archs: mixtral | qwen2_moe | qwen3_moe, 8 experts, top-2 (expert MLPs half as wide as
+intermediate_size; qwen2_moe's shared expert as wide, its layer 1 dense).
 preset: tiny (tests) | bench (CPU benchmark, ~22M params) | qwen3-0.6b |
 llama-8b (bf16, real shapes, random weights, for GPU benchmarks).
 chat_template: a Jinja chat template replacing the arch's plain one (e.g. a
@@ -38,6 +40,9 @@ from engine.tools._tiny_corpus import corpus_lines
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Mixture-of-experts: with 8 experts and top-2, a batch's tokens reach every expert.
+MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHS.update(MOE_ARCHS)
 
 # Per-arch config that holds for every preset.
 ARCH_CONFIG = {
@@ -45,6 +50,11 @@ ARCH_CONFIG = {
     "mistral": dict(tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(tie_word_embeddings=True, use_sliding_window=False),
     "qwen3": dict(tie_word_embeddings=True, use_sliding_window=False),
+    "mixtral": dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(tie_word_embeddings=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(tie_word_embeddings=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True),
 }
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -152,6 +162,10 @@ def _build_config(arch: str, preset: dict, tok_len: int, ids: dict, overrides: d
     kw.update(ids, **overrides)
     if kw["vocab_size"] < tok_len:
         raise ValueError(f"vocab_size {kw['vocab_size']} < tokenizer size {tok_len}")
+    if arch in ("qwen2_moe", "qwen3_moe"):  # Mixtral's experts are intermediate_size wide
+        kw.setdefault("moe_intermediate_size", kw["intermediate_size"] // 2)
+    if arch == "qwen2_moe":
+        kw.setdefault("shared_expert_intermediate_size", kw["intermediate_size"])
     theta = kw.pop("rope_theta")  # transformers>=5 spells it rope_parameters
     kw.setdefault("rope_parameters", dict(rope_type="default", rope_theta=theta))
     return AutoConfig.for_model(arch, architectures=[ARCHS[arch]], dtype=preset["dtype"], **kw)

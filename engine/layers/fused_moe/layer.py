@@ -1,0 +1,100 @@
+"""FusedMoE: one MoE layer's experts, stacked, with their own weight_loader.
+
+Parameters, named as transformers 5 names them (its fused checkpoints load as they are):
+
+    gate_up_proj [E, 2 * I / tp, H]   expert e: [ gate rows of rank r | up rows of rank r ]
+    down_proj    [E, H, I / tp]       expert e: the columns of rank r
+
+Tensor parallelism shards every expert's intermediate dim I exactly as
+MergedColumnParallelLinear / RowParallelLinear shard a dense MLP's, so each rank
+computes a partial sum of the layer's output, all-reduced at the end of `forward`
+(where a dense MLP's down_proj reduces).
+
+Checkpoints name experts one by one (`...experts.{e}.gate_proj.weight`, Mixtral's
+`w1`/`w3`/`w2`); the loader maps each to its stacked parameter with shard id
+(e, 0 | 1) for gate / up and (e, None) for down, and a fused tensor (all experts at
+once, transformers 5's layout) comes with shard id None.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.executor.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine.layers.fused_moe.routing import select_experts
+from engine.layers.linear import copy_weight, divide
+from kernels.torch_fused_moe import fused_moe_torch
+
+
+def _experts_impl(device: torch.device):
+    """The Triton grouped GEMMs on CUDA; the sorted per-expert torch path elsewhere."""
+    if device.type == "cuda":
+        from kernels.triton_fused_moe import fused_moe  # triton only where it runs natively
+
+        return fused_moe
+    return fused_moe_torch
+
+
+def _check_shape(loaded: torch.Tensor, expected: list[int]) -> None:
+    """Before narrowing out this rank's slice: a wrong-sized tensor is named, not a narrow() error."""
+    if list(loaded.shape) != expected:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+
+
+class FusedMoE(nn.Module):
+    """[T, H] hidden states and [T, E] router logits -> [T, H]: each token through its top_k
+    experts (gated SiLU MLPs), summed with the routing weights, then over the TP ranks."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, softmax_first: bool = True):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} is invalid for num_experts={num_experts}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.softmax_first = renormalize, softmax_first
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, "moe intermediate_size")
+        inter = self.intermediate_size_per_partition
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.weight_loader
+        self.down_proj.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """shard_id: (expert, 0 | 1) for one expert's gate / up [I, H], (expert, None) for its
+        down [H, I]; None for every expert at once ([E, 2 * I, H] or [E, H, I])."""
+        inter, rank = self.intermediate_size_per_partition, self.tp_rank
+        is_down = param is self.down_proj
+        if shard_id is None:  # every expert: the full tensor is param's shape with I unsharded
+            full = list(param.shape)
+            full[2 if is_down else 1] *= self.tp_size
+            _check_shape(loaded_weight, full)
+            if is_down:
+                copy_weight(param.data, loaded_weight.narrow(2, rank * inter, inter))
+                return
+            for part in (0, 1):  # [gate | up] of every rank -> this rank's [gate | up]
+                copy_weight(param.data.narrow(1, part * inter, inter),
+                            loaded_weight.narrow(1, (part * self.tp_size + rank) * inter, inter))
+            return
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range: the layer has {self.num_experts} experts")
+        hidden = param.shape[1] if is_down else param.shape[2]
+        if is_down:
+            _check_shape(loaded_weight, [hidden, inter * self.tp_size])
+            copy_weight(param.data[expert], loaded_weight.narrow(1, rank * inter, inter))
+        elif part in (0, 1):
+            _check_shape(loaded_weight, [inter * self.tp_size, hidden])
+            copy_weight(param.data[expert].narrow(0, part * inter, inter), loaded_weight.narrow(0, rank * inter, inter))
+        else:
+            raise ValueError(f"shard_id={shard_id!r} is invalid for gate_up_proj: expected (expert, 0 or 1)")
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_first)
+        out = _experts_impl(hidden_states.device)(hidden_states, self.gate_up_proj, self.down_proj,
+                                                 topk_weights, topk_ids)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"intermediate_size_per_partition={self.intermediate_size_per_partition}")
