@@ -83,8 +83,28 @@ def _check_scalars(max_seqlen_q, softmax_scale) -> None:
         _fail(f"softmax_scale must be > 0, got {softmax_scale!r}")
 
 
+def check_score_options(query, sliding_window, logits_soft_cap, sinks) -> None:
+    """The optional score changes: a window >= 1 keys, a soft cap > 0, sinks [num_heads]."""
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int) or sliding_window < 1):
+        _fail(f"sliding_window must be None or a python int >= 1, got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+            _fail(f"logits_soft_cap must be None or a python float, got {logits_soft_cap!r}")
+        if not logits_soft_cap > 0 or logits_soft_cap == float("inf"):
+            _fail(f"logits_soft_cap must be finite and > 0, got {logits_soft_cap!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, 1, FLOAT_DTYPES)
+        if sinks.shape[0] != query.shape[1]:
+            _fail(f"sinks has shape {tuple(sinks.shape)}; expected [num_heads] = [{query.shape[1]}]")
+        if not sinks.is_contiguous():
+            _fail(f"sinks must be contiguous, got strides {sinks.stride()}")
+        check_same_device(query=query, sinks=sinks)
+
+
 def check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                          cu_seqlens_q, max_seqlen_q, softmax_scale, out) -> None:
+                          cu_seqlens_q, max_seqlen_q, softmax_scale, out, *,
+                          sliding_window=None, logits_soft_cap=None, sinks=None) -> None:
     """Validate paged_attention arguments (any backend)."""
     check_tensor("query", query, 3, FLOAT_DTYPES)
     check_caches(k_cache, v_cache)
@@ -92,6 +112,7 @@ def check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
     check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES)
     _check_scalars(max_seqlen_q, softmax_scale)
+    check_score_options(query, sliding_window, logits_soft_cap, sinks)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.dtype != query.dtype:

@@ -12,6 +12,9 @@ step's new K/V rows). Dispatch:
   from its blocks.
 - anything else (other dtypes or devices, RAYLLM_DISABLE_CPU_KERNEL=1, no
   compiler): kernels.torch_attention.paged_attention_torch.
+
+A sliding window, a soft cap and sinks (kernels.reference has their meaning) go
+to every one of these paths alike.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from kernels._validate import check_paged_attention
 from kernels.cpu_build import load_kernel_library
 from kernels import cpu_ops
 from kernels._validate import check_store_kv
-from kernels.torch_attention import (paged_attention_torch, prefill_cached, prefill_fresh,
-                                     store_kv_torch)
+from kernels.torch_attention import (ScoreOptions, paged_attention_torch, prefill_cached,
+                                     prefill_fresh, store_kv_torch)
 
 _LIB_NAME = "cpu_paged_attention"
 # Chunks with more query rows run as SDPA instead, where one matmul over the chunk beats
@@ -50,7 +53,8 @@ class _Args(ctypes.Structure):
                 ("q_stride_tok", "q_stride_head", "o_stride_tok", "o_stride_head", "bt_stride",
                  "num_tokens", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "max_blocks")] + \
-               [("scale", ctypes.c_float), ("max_q_len", ctypes.c_int64), ("skip_fresh", ctypes.c_int64)]
+               [("scale", ctypes.c_float), ("max_q_len", ctypes.c_int64), ("skip_fresh", ctypes.c_int64),
+                ("sliding_window", ctypes.c_int64), ("soft_cap", ctypes.c_float), ("sinks", ctypes.c_void_p)]
 
 
 def _kernel():
@@ -76,7 +80,7 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-               out, max_q_len: int, skip_fresh: bool) -> None:
+               out, max_q_len: int, skip_fresh: bool, opts: ScoreOptions = ScoreOptions()) -> None:
     """Call the C kernel for the sequences with at most max_q_len query rows (and, with
     skip_fresh, a cached prefix or a single row).
 
@@ -85,11 +89,14 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
     contiguous; block_tables [num_seqs, max_blocks]; rows of longer chunks are not written.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    sinks = None if opts.sinks is None else opts.sinks.to(torch.float32).contiguous()  # [num_heads]
     args = _Args(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                  seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), out.data_ptr(),
                  query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                  query.shape[0], block_tables.shape[0], query.shape[1], num_kv_heads, head_dim,
-                 block_size, num_blocks, block_tables.shape[1], scale, max_q_len, int(skip_fresh))
+                 block_size, num_blocks, block_tables.shape[1], scale, max_q_len, int(skip_fresh),
+                 opts.sliding_window or 0, opts.logits_soft_cap or 0.0,
+                 None if sinks is None else sinks.data_ptr())
     err = fn(ctypes.byref(args))
     if err == _ERR_NO_MEMORY:
         raise MemoryError("cpu paged attention: scratch allocation failed")
@@ -98,7 +105,7 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
 
 
 def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
-                 query_lens_cpu, scale, out, key, value) -> None:
+                 query_lens_cpu, scale, out, key, value, opts) -> None:
     """The chunks the kernel skipped, one SDPA each: fresh ones (1 < q_len == seq_len) on
     their own new K/V when given, longer ones with a cached prefix over their blocks."""
     seq_l = list(seq_lens_cpu) if seq_lens_cpu is not None else seq_lens.tolist()
@@ -110,15 +117,17 @@ def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 
     start = 0
     for s, (q_len, seq_len) in enumerate(zip(q_l, seq_l)):
         if key is not None and 1 < q_len == seq_len:
-            prefill_fresh(query, key, value, start, q_len, scale, out)
+            prefill_fresh(query, key, value, start, q_len, scale, out, opts)
         elif q_len > KERNEL_MAX_Q_LEN:
-            prefill_cached(query, k_cache, v_cache, block_tables[s], start, q_len, seq_len, scale, out)
+            prefill_cached(query, k_cache, v_cache, block_tables[s], start, q_len, seq_len, scale, out,
+                           opts)
         start += q_len
 
 
 def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                         max_seqlen_q, softmax_scale, out=None, *, seq_lens_cpu=None,
-                        query_lens_cpu=None, key=None, value=None):
+                        query_lens_cpu=None, key=None, value=None, sliding_window=None,
+                        logits_soft_cap=None, sinks=None):
     """Paged attention, C kernel where it applies; same contract as kernels.paged_attention.
 
     query:        [num_tokens, num_heads, head_dim]
@@ -128,14 +137,17 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     key, value:   optional [num_tokens, num_kv_heads, head_dim], the new rows already
         stored in the cache; fresh prefill chunks then skip the cache entirely.
     seq_lens_cpu, query_lens_cpu: optional host copies (see paged_attention_torch).
+    sliding_window, logits_soft_cap, sinks: as kernels.reference.paged_attention_ref.
     """
+    mods = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     fn = _kernel() if query.device.type == "cpu" and query.dtype == torch.float32 else None
     if fn is None:
         return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                      max_seqlen_q, softmax_scale, out, seq_lens_cpu=seq_lens_cpu,
-                                     query_lens_cpu=query_lens_cpu, key=key, value=value)
+                                     query_lens_cpu=query_lens_cpu, key=key, value=value, **mods)
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                          max_seqlen_q, softmax_scale, out)
+                          max_seqlen_q, softmax_scale, out, **mods)
+    opts = ScoreOptions(**mods)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     if query.shape[0] == 0 or block_tables.shape[0] == 0:
@@ -144,10 +156,11 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     scale = float(softmax_scale)
     skip_fresh = key is not None
     run_kernel(fn, _unit_last_stride(query), k_cache, v_cache, _as_int32(block_tables),
-               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, skip_fresh)
+               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, skip_fresh,
+               opts)
     if max_seqlen_q > (1 if skip_fresh else KERNEL_MAX_Q_LEN):
         _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
-                     query_lens_cpu, scale, dst, key, value)
+                     query_lens_cpu, scale, dst, key, value, opts)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -14,6 +14,14 @@
  *
  * Causality: query row i of a sequence with q_len new rows sits at position
  * seq_len - q_len + i and sees keys 0 .. that position (bottom-right aligned).
+ *
+ * Optional score changes (semantics: kernels/reference.py). A sliding window W
+ * leaves row p the keys p - W + 1 .. p: the walk starts at the block holding the
+ * item's first row's first key, so blocks wholly before every row's window are
+ * never read, and a vector skips the CHUNKs before its own window. A soft cap
+ * turns scores into cap * tanh(score / cap). A sink is one more logit per head in
+ * the softmax, with no value: the online softmax starts from it (max = sink,
+ * sum = 1, acc = 0), as if it were a key before all others.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +52,9 @@ typedef struct {
     float scale;
     int64_t max_q_len; /* sequences with more query rows are skipped (the caller runs them) */
     int64_t skip_fresh; /* nonzero: chunks without a cached prefix (1 < q_len == seq_len) too */
+    int64_t sliding_window; /* 0: none, else row p sees keys p - sliding_window + 1 .. p */
+    float soft_cap;         /* 0: none, else scores -> soft_cap * tanh(score / soft_cap) */
+    const float *sinks;     /* NULL: none, else [num_heads] logits that join the denominator */
 } Args;
 
 /* One work item's query vectors and their online-softmax state (scratch of one thread). */
@@ -55,7 +66,8 @@ typedef struct {
     float *acc;           /* [M, D] unnormalised outputs */
     float *s;             /* [M, TILE] scores, then probabilities, of the current tile */
     float *m_run, *l_run; /* [M] running max, running sum of exp */
-    int64_t *lim;         /* [M] keys 0 .. lim - 1 are visible (causal) */
+    int64_t *lim;         /* [M] keys before lim are causal for the vector */
+    int64_t *lo;          /* [M] keys from lo on are inside its window (0 without one) */
 } Item;
 
 /* Offset (floats) of key t's row for kv head 0: row t % bs of block table[t / bs]. */
@@ -64,25 +76,45 @@ INLINE int64_t key_offset(const Item *it, int64_t t) {
     return (it->table[t / bs] * bs + t % bs) * it->a->num_kv_heads * it->a->head_dim;
 }
 
+/* cap * tanh(x / cap) lane-wise: tanh(y) = sign(y) (1 - e^-2|y|) / (1 + e^-2|y|). */
+INLINE vec soft_cap(vec x, float cap) {
+    const vec y = x * (1.0f / cap);
+    const vec t = exp_nonpos(vmax(y, -y) * -2.0f);
+    const vec r = (1.0f - t) / (1.0f + t) * cap;
+    const ivec neg = y < 0.0f;
+    return (vec)(((ivec)-r & neg) | ((ivec)r & ~neg));
+}
+
+/* Whether chunk [k, k + CHUNK) holds no key vector m may see (past its limit or before
+ * its window). tile_softmax and tile_pv skip the same chunks. */
+INLINE int chunk_hidden(const Item *it, int64_t m, int64_t k) {
+    return k >= it->lim[m] || k + CHUNK <= it->lo[m];
+}
+
 /* s[m, j] = q_m . k_{k0 + j} for the kn keys of the tile; -inf where m may not look. */
 INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D) {
     const int64_t stride = it->a->num_kv_heads * D;
     const int fast = it->a->block_size % CHUNK == 0 && D % CHUNK == 0;
+    const float cap = it->a->soft_cap;
     for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
         const float *kb = it->a->k_cache + key_offset(it, k0 + j);
         for (int64_t m = 0; m < it->M; m++) {
             const float *k = kb + m / it->Mh * D, *q = it->q + m * D;
             float *s = it->s + m * TILE + j;
-            if (k0 + j >= it->lim[m]) {
+            if (chunk_hidden(it, m, k0 + j)) {
                 STORE(s, splat(-INFINITY));
+                continue;
             } else if (fast) {
                 STORE(s, dot_chunk(q, k, stride, D));
             } else {
                 for (int64_t c = 0; c < CHUNK; c++)
                     s[c] = j + c < kn ? dot(q, it->a->k_cache + key_offset(it, k0 + j + c) + m / it->Mh * D, D) : 0.0f;
             }
-            for (int64_t c = 0; c < CHUNK; c++) /* past the causal limit or the tile */
-                if (k0 + j + c >= it->lim[m] || j + c >= kn) s[c] = -INFINITY;
+            if (cap > 0.0f) STORE(s, soft_cap(LOAD(s), cap));
+            for (int64_t c = 0; c < CHUNK; c++) { /* past the causal limit or the tile, before the window */
+                const int64_t key = k0 + j + c;
+                if (key >= it->lim[m] || key < it->lo[m] || j + c >= kn) s[c] = -INFINITY;
+            }
         }
     }
 }
@@ -92,13 +124,16 @@ INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D) {
 INLINE void tile_softmax(const Item *it, int64_t k0, int64_t kn, int64_t D) {
     for (int64_t m = 0; m < it->M; m++) {
         const int64_t n = it->lim[m] - k0 < kn ? it->lim[m] - k0 : kn;
-        if (n <= 0) continue;
+        if (n <= 0 || it->lo[m] >= k0 + kn) continue; /* the tile is past or before m's keys */
+        /* The first chunk that is not wholly before the window (chunk_hidden's rule). */
+        const int64_t j0 = it->lo[m] > k0 ? (it->lo[m] - k0) / CHUNK * CHUNK : 0;
         float *s = it->s + m * TILE;
-        vec mx = LOAD(s), sum = splat(0.0f);
-        for (int64_t j = CHUNK; j < n; j += CHUNK) mx = vmax(mx, LOAD(s + j));
+        vec mx = LOAD(s + j0), sum = splat(0.0f);
+        for (int64_t j = j0 + CHUNK; j < n; j += CHUNK) mx = vmax(mx, LOAD(s + j));
         const float m_new = hmax(mx) > it->m_run[m] ? hmax(mx) : it->m_run[m];
-        for (int64_t j = 0; j < n; j += CHUNK) {
-            const vec p = exp_nonpos(LOAD(s + j) - m_new);
+        for (int64_t j = j0; j < n; j += CHUNK) {
+            vec p = exp_nonpos(LOAD(s + j) - m_new);
+            for (int64_t c = 0; j == j0 && c < it->lo[m] - k0 - j; c++) p[c] = 0.0f; /* before the window */
             STORE(s + j, p);
             sum += p; /* lanes past n hold ~1e-38 (exp of -inf, clamped): negligible */
         }
@@ -136,6 +171,7 @@ INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D) {
     for (int64_t j = 0; j < kn; j += CHUNK) {
         const float *vb = it->a->v_cache + key_offset(it, k0 + j);
         for (int64_t m = 0; m < it->M; m++) {
+            if (chunk_hidden(it, m, k0 + j)) continue; /* its probabilities were never written */
             const int64_t n = it->lim[m] - k0 - j < CHUNK ? it->lim[m] - k0 - j : CHUNK;
             const float *p = it->s + m * TILE + j;
             float *acc = it->acc + m * D;
@@ -149,9 +185,10 @@ INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D) {
     }
 }
 
-/* Every vector of the item over all the keys any of them sees, TILE keys at a time. */
-INLINE void attend(const Item *it, int64_t num_keys, int64_t D) {
-    for (int64_t k0 = 0; k0 < num_keys; k0 += TILE) {
+/* Every vector of the item over keys [first_key, num_keys), all any of them sees, TILE
+ * keys at a time. first_key is a multiple of the block size: a CHUNK stays in one block. */
+INLINE void attend(const Item *it, int64_t first_key, int64_t num_keys, int64_t D) {
+    for (int64_t k0 = first_key; k0 < num_keys; k0 += TILE) {
         const int64_t kn = num_keys - k0 < TILE ? num_keys - k0 : TILE;
         tile_scores(it, k0, kn, D);
         tile_softmax(it, k0, kn, D);
@@ -159,11 +196,11 @@ INLINE void attend(const Item *it, int64_t num_keys, int64_t D) {
     }
 }
 
-typedef void (*attend_fn)(const Item *, int64_t, int64_t);
-#define SPECIALISE(NAME, D_EXPR)                                    \
-    static void NAME(const Item *it, int64_t num_keys, int64_t D) { \
-        (void)D;                                                    \
-        attend(it, num_keys, D_EXPR);                               \
+typedef void (*attend_fn)(const Item *, int64_t, int64_t, int64_t);
+#define SPECIALISE(NAME, D_EXPR)                                                      \
+    static void NAME(const Item *it, int64_t first_key, int64_t num_keys, int64_t D) { \
+        (void)D;                                                                      \
+        attend(it, first_key, num_keys, D_EXPR);                                      \
     }
 SPECIALISE(attend_d64, 64)
 SPECIALISE(attend_d128, 128)
@@ -176,8 +213,11 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
     const int64_t q_start = a->cu_seqlens_q[seq];
     const int64_t first_pos = a->seq_lens[seq] - (a->cu_seqlens_q[seq + 1] - q_start) + r0;
     const int64_t num_keys = first_pos + nr; /* the tile's last row sees the most */
+    const int64_t W = a->sliding_window;
+    /* Its first row the earliest: the walk starts at the block holding that row's first key. */
+    const int64_t first_key = W > 0 && first_pos + 1 > W ? (first_pos + 1 - W) / BS * BS : 0;
     it->table = a->block_tables + seq * a->bt_stride;
-    for (int64_t b = 0; b * BS < num_keys; b++)
+    for (int64_t b = first_key / BS; b * BS < num_keys; b++)
         if (it->table[b] < 0 || it->table[b] >= a->num_blocks) return ERR_BLOCK_ID;
     it->Mh = nr * G;
     it->M = a->num_kv_heads * it->Mh;
@@ -186,11 +226,12 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
         const float *src = a->query + (q_start + r0 + r) * a->q_stride_tok + (h * G + g) * a->q_stride_head;
         for (int64_t d = 0; d < D; d++) it->q[m * D + d] = src[d] * a->scale;
         memset(it->acc + m * D, 0, D * sizeof(float));
-        it->m_run[m] = -INFINITY;
-        it->l_run[m] = 0.0f;
+        it->m_run[m] = a->sinks ? a->sinks[h * G + g] : -INFINITY; /* the sink: exp(0) = 1, no value */
+        it->l_run[m] = a->sinks ? 1.0f : 0.0f;
         it->lim[m] = first_pos + r + 1;
+        it->lo[m] = W > 0 && it->lim[m] > W ? it->lim[m] - W : 0;
     }
-    fn(it, num_keys, D);
+    fn(it, first_key, num_keys, D);
     for (int64_t m = 0; m < it->M; m++) {
         const int64_t h = m / it->Mh, r = m % it->Mh / G, g = m % G;
         float *o = a->out + (q_start + r0 + r) * a->o_stride_tok + (h * G + g) * a->o_stride_head;
@@ -227,10 +268,11 @@ static int64_t find_seq(const int64_t *first, int64_t num_seqs, int64_t item) {
 static int run_items(const Args *a, const int64_t *first, int64_t num_items) {
     const int64_t M = ROWS_TILE * a->num_heads, D = a->head_dim;
     const attend_fn fn = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
-    /* One block: q, acc [M, D]; s [M, TILE]; m_run, l_run [M]; lim [M] (int64). */
-    float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + M * sizeof(int64_t));
+    /* One block: q, acc [M, D]; s [M, TILE]; m_run, l_run [M]; lim, lo [M] (int64). */
+    float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + 2 * M * sizeof(int64_t));
+    int64_t *bounds = (int64_t *)(mem + M * (2 * D + TILE + 2));
     Item it = {a, NULL, 0, 0, mem, mem + M * D, mem + 2 * M * D, mem + M * (2 * D + TILE),
-               mem + M * (2 * D + TILE + 1), (int64_t *)(mem + M * (2 * D + TILE + 2))};
+               mem + M * (2 * D + TILE + 1), bounds, bounds + M};
     int err = mem ? 0 : ERR_NO_MEMORY;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; i++) {

@@ -32,7 +32,8 @@ def _gather_context(cache, block_row, seq_len: int):
 
 
 def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                        max_seqlen_q, softmax_scale, out=None):
+                        max_seqlen_q, softmax_scale, out=None, *, sliding_window=None,
+                        logits_soft_cap=None, sinks=None):
     """Causal attention of each sequence's new query rows over its paged context.
 
     query:        [num_tokens, num_heads, head_dim]
@@ -41,6 +42,11 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     seq_lens:     [num_seqs]       context length incl. the new tokens
     cu_seqlens_q: [num_seqs + 1]   query rows of seq s are cu[s]:cu[s+1]
     max_seqlen_q is unused here (kept for the shared signature).
+    sliding_window:  None, or the query at position p sees keys p - sliding_window + 1 .. p
+                     (HF's sliding_window_overlay: kv_idx > q_idx - sliding_window)
+    logits_soft_cap: None, or scaled scores become cap * tanh(scores / cap) (Gemma 2)
+    sinks:           None, or [num_heads]: a logit per head that joins the softmax's
+                     denominator and has no value (gpt-oss)
     """
     del max_seqlen_q
     if out is None:
@@ -60,11 +66,18 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [q_len, num_heads, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale  # [num_heads, q_len, seq_len]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         # The new rows are the last q_len positions of the sequence.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
         k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
         allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, seq_len]
+        if sinks is not None:  # one more column per row: the head's sink logit
+            sink_col = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+            scores = torch.cat([scores, sink_col], dim=-1)  # [num_heads, q_len, seq_len + 1]
+        probs = torch.softmax(scores, dim=-1)[..., :seq_len]  # [num_heads, q_len, seq_len]
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -6,7 +6,13 @@ sequence does not pad the whole batch; each prefill chunk is one SDPA call.
 GQA never repeats K/V: for decodes the query heads of a group are folded into
 SDPA's query-length axis ([B, kv_heads, group, D]); prefill chunks use SDPA's
 enable_gqa (both measured fastest on CPU for their case).
+
+A sliding window is a mask, and the blocks wholly before a chunk's window are
+not gathered at all. A soft cap or sinks, which SDPA cannot express, take
+`_eager` (the scores written out) instead.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,58 @@ def clear_workspace() -> None:
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+class ScoreOptions(NamedTuple):
+    """What changes plain causal attention; all None: nothing (semantics: kernels.reference)."""
+
+    sliding_window: int | None = None    # a query at p sees keys p - sliding_window + 1 .. p
+    logits_soft_cap: float | None = None  # scaled scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None     # [num_heads] logits in the denominator, no value
+
+    @property
+    def sdpa(self) -> bool:
+        """Whether SDPA can run it: a window is only a mask; a soft cap or sinks are not."""
+        return self.logits_soft_cap is None and self.sinks is None
+
+    def first_key(self, pos: int) -> int:
+        """The first key a query at position `pos` may see."""
+        return 0 if self.sliding_window is None else max(0, pos - self.sliding_window + 1)
+
+
+PLAIN = ScoreOptions()
+
+
+def _visible(q_pos, k_pos, window):
+    """[..., q, k] bool: key k_pos is causal for q_pos and inside its window (if any)."""
+    mask = k_pos[..., None, :] <= q_pos[..., :, None]
+    if window is not None:
+        mask &= k_pos[..., None, :] > q_pos[..., :, None] - window
+    return mask
+
+
+def _eager(q, k, v, mask, scale, opts: ScoreOptions):
+    """Attention with its scores written out, for what SDPA cannot do (soft cap, sinks).
+
+    q [B, num_heads, Lq, D]; k, v [B, kv_heads, L, D]; mask bool, broadcastable to
+    [B, 1, Lq, L] -> [B, num_heads, Lq, D]. Each group's query heads are folded into the
+    rows, [B, kv_heads, group * Lq, D] (row g * Lq + i), so K/V are never repeated.
+    """
+    b, num_heads, lq, d = q.shape
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_heads // kv_heads
+    qf = q.reshape(b, kv_heads, group * lq, d).float()
+    s = torch.matmul(qf, k.float().transpose(-1, -2)) * scale  # [B, kv_heads, group * Lq, L]
+    if opts.logits_soft_cap is not None:
+        s = torch.tanh(s / opts.logits_soft_cap) * opts.logits_soft_cap
+    rows_mask = mask.expand(b, 1, lq, num_keys)[:, :, None].expand(b, 1, group, lq, num_keys)
+    s = s.masked_fill(~rows_mask.reshape(b, 1, group * lq, num_keys), float("-inf"))
+    if opts.sinks is not None:  # a last column holding each row's head's sink
+        sink = opts.sinks.float().view(1, kv_heads, group, 1, 1).expand(b, -1, -1, lq, 1)
+        s = torch.cat([s, sink.reshape(b, kv_heads, group * lq, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :num_keys]
+    o = torch.matmul(p, v.float())  # [B, kv_heads, group * Lq, D]
+    return o.view(b, num_heads, lq, d).to(q.dtype)
 
 
 def _gather_kv(k_cache, v_cache, ids):
@@ -99,49 +157,84 @@ def _host_lengths(seq_lens, cu_seqlens_q, seq_lens_cpu, query_lens_cpu, num_toke
     return seq_l, q_l
 
 
-def _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, seqs, toks, max_len,
-                   scale, out):
-    """One SDPA call for decode sequences `seqs` (one query row each, rows `toks`)."""
+def _decode_block_ids(block_tables, rows, first_blocks, num_blocks):
+    """[B * num_blocks] block ids: each sequence's table from its first needed block on.
+
+    first_blocks: host list (all 0 without a window: a plain slice of the table). Columns
+    past a row's own blocks read whatever the table holds there; those keys are masked.
+    """
+    if not any(first_blocks):
+        return block_tables[rows, :num_blocks].reshape(-1)
+    device = block_tables.device
+    cols = torch.tensor(first_blocks, device=device)[:, None] + torch.arange(num_blocks, device=device)
+    cols = cols.clamp_(max=block_tables.shape[1] - 1)  # [B, num_blocks]
+    return block_tables[rows].gather(1, cols).reshape(-1)
+
+
+def _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, seqs, toks, first_blocks,
+                   num_blocks, scale, out, opts):
+    """One SDPA call for decode sequences `seqs` (one query row each, rows `toks`), over
+    num_blocks blocks each from first_blocks[i] on (host list)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     batch, num_heads = len(seqs), query.shape[1]
-    num_blocks = _cdiv(max_len, block_size)
     ctx = num_blocks * block_size
     rows = _index(seqs, query.device)
     tok_idx = _index(toks, query.device)
-    ids = block_tables[rows, :num_blocks].reshape(-1)  # [B * num_blocks]
+    ids = _decode_block_ids(block_tables, rows, first_blocks, num_blocks)  # [B * num_blocks]
     k, v, token = _gather_kv(k_cache, v_cache, ids)  # [B * num_blocks, block_size, kv_heads, D]
     k = k.view(batch, ctx, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, ctx, D] strided
     v = v.view(batch, ctx, kv_heads, head_dim).transpose(1, 2)
-    # [B, num_heads, D] -> [B, kv_heads, group, D]: the group is SDPA's query-length axis.
-    q = query[tok_idx].reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
-    # Keys past each sequence's own length are block padding: mask them out.
+    # Keys past each sequence's own length are block padding (and keys before its window,
+    # in its first block, are out of sight): mask them out.
     lens = seq_lens[rows].to(torch.long)  # [B]
-    mask = torch.arange(ctx, device=query.device)[None, :] < lens[:, None]  # [B, ctx]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    k_pos = torch.arange(ctx, device=query.device)[None, :]  # [1 or B, ctx]
+    if any(first_blocks):
+        k_pos = k_pos + torch.tensor(first_blocks, device=query.device)[:, None] * block_size
+    mask = _visible((lens - 1)[:, None], k_pos, opts.sliding_window)  # [B, 1, ctx]
+    if opts.sdpa:
+        # [B, num_heads, D] -> [B, kv_heads, group, D]: the group is SDPA's query-length axis.
+        q = query[tok_idx].reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    else:
+        o = _eager(query[tok_idx][:, :, None], k, v, mask[:, None], scale, opts)
     _release(token)
-    out[tok_idx] = o.reshape(batch, num_heads, head_dim).to(out.dtype)  # o: [B, kv_heads, group, D]
+    out[tok_idx] = o.reshape(batch, num_heads, head_dim).to(out.dtype)
 
 
 def _decode_all(query, k_cache, v_cache, block_tables, seq_lens, seqs, starts, seq_l,
-                scale, out):
-    """Bucket decode sequences by power-of-two block count: padding stays < 2x."""
+                scale, out, opts):
+    """Bucket decode sequences by power-of-two block count: padding stays < 2x.
+
+    With a window a sequence needs only the blocks from its window's first one on."""
     block_size = k_cache.shape[1]
+    first = {s: opts.first_key(seq_l[s] - 1) // block_size for s in seqs}
+    needed = {s: _cdiv(seq_l[s], block_size) - first[s] for s in seqs}
     buckets = {}
     for s in seqs:
-        key = 1 << (_cdiv(seq_l[s], block_size) - 1).bit_length()
-        buckets.setdefault(key, []).append(s)
+        buckets.setdefault(1 << (needed[s] - 1).bit_length(), []).append(s)
     for members in buckets.values():
         toks = [starts[s] for s in members]
-        max_len = max(seq_l[s] for s in members)
-        _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, members, toks, max_len,
-                       scale, out)
+        _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, members, toks,
+                       [first[s] for s in members], max(needed[s] for s in members), scale,
+                       out, opts)
 
 
-def _sdpa_prefill(q, k, v, causal_mask, scale):
+def _chunk_mask(q_len, k0, seq_len, opts, device):
+    """None when SDPA's top-left causal mask is the whole story, else [q_len, seq_len - k0]
+    bool for a chunk's rows (the last q_len positions) over keys k0 .. seq_len - 1."""
+    if q_len == seq_len and k0 == 0 and opts.sliding_window is None and opts.sdpa:
+        return None
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return _visible(q_pos, torch.arange(k0, seq_len, device=device), opts.sliding_window)
+
+
+def _sdpa_prefill(q, k, v, causal_mask, scale, opts=PLAIN):
     """q [1, num_heads, q_len, D], k/v [1, kv_heads, seq_len, D] -> [1, num_heads, q_len, D].
 
     causal_mask None: top-left aligned causal (q_len == seq_len), else a bool [q_len, seq_len].
     """
+    if not opts.sdpa:
+        return _eager(q, k, v, causal_mask[None, None], scale, opts)
     num_heads, kv_heads = q.shape[1], k.shape[1]
     if not _SDPA_HAS_GQA and num_heads != kv_heads:
         k = k.repeat_interleave(num_heads // kv_heads, dim=1)  # [1, num_heads, seq_len, D]
@@ -153,7 +246,7 @@ def _sdpa_prefill(q, k, v, causal_mask, scale):
                                           **gqa)
 
 
-def prefill_fresh(query, key, value, start, q_len, scale, out):
+def prefill_fresh(query, key, value, start, q_len, scale, out, opts=PLAIN):
     """A chunk with no cached prefix (q_len == seq_len): causal SDPA on its own new K/V rows.
 
     query/out [num_tokens, num_heads, D], key/value [num_tokens, kv_heads, D]: rows
@@ -163,33 +256,33 @@ def prefill_fresh(query, key, value, start, q_len, scale, out):
     q = query[rows].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
     k = key[rows].transpose(0, 1)[None]  # [1, kv_heads, q_len, D]
     v = value[rows].transpose(0, 1)[None]
-    o = _sdpa_prefill(q, k, v, None, scale)
+    o = _sdpa_prefill(q, k, v, _chunk_mask(q_len, 0, q_len, opts, query.device), scale, opts)
     out[rows] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, num_heads, D]
 
 
-def prefill_cached(query, k_cache, v_cache, block_row, start, q_len, seq_len, scale, out):
-    """One SDPA call for a chunk of q_len > 1 rows whose keys are 0..seq_len-1."""
+def prefill_cached(query, k_cache, v_cache, block_row, start, q_len, seq_len, scale, out,
+                   opts=PLAIN):
+    """One SDPA call for a chunk of q_len > 1 rows whose keys are 0..seq_len-1 (with a
+    window: from the block of the first row's first visible key on)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    ids = block_row[:_cdiv(seq_len, block_size)]  # [num_blocks]
-    # [num_blocks, block_size, kv_heads, D] -> [1, kv_heads, seq_len, D]
+    first_block = opts.first_key(seq_len - q_len) // block_size
+    k0 = first_block * block_size
+    ids = block_row[first_block:_cdiv(seq_len, block_size)]  # [num_blocks]
+    # [num_blocks, block_size, kv_heads, D] -> [1, kv_heads, seq_len - k0, D]
     k, v, token = _gather_kv(k_cache, v_cache, ids)
-    k = k.view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
-    v = v.view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
+    k = k.view(-1, kv_heads, head_dim)[:seq_len - k0].transpose(0, 1)[None]
+    v = v.view(-1, kv_heads, head_dim)[:seq_len - k0].transpose(0, 1)[None]
     q = query[start:start + q_len].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
-    mask = None
-    if q_len != seq_len:
-        # Row i sits at absolute position seq_len - q_len + i (bottom-right aligned).
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
-        k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-    o = _sdpa_prefill(q, k, v, mask, scale)
+    # Row i sits at absolute position seq_len - q_len + i (bottom-right aligned).
+    o = _sdpa_prefill(q, k, v, _chunk_mask(q_len, k0, seq_len, opts, query.device), scale, opts)
     _release(token)
     out[start:start + q_len] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, num_heads, D]
 
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, softmax_scale, out=None, *, seq_lens_cpu=None,
-                          query_lens_cpu=None, key=None, value=None):
+                          query_lens_cpu=None, key=None, value=None, sliding_window=None,
+                          logits_soft_cap=None, sinks=None):
     """Pure-torch paged attention; same contract as kernels.paged_attention.
 
     query:        [num_tokens, num_heads, head_dim]
@@ -200,9 +293,12 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_se
         seq_lens and diff(cu_seqlens_q); passing them avoids device->host reads.
     key, value:   optional [num_tokens, num_kv_heads, head_dim], this step's new K/V rows
         (already stored): a chunk with no cached prefix then attends over them directly.
+    sliding_window, logits_soft_cap, sinks: as kernels.reference.paged_attention_ref.
     """
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                          max_seqlen_q, softmax_scale, out)
+                          max_seqlen_q, softmax_scale, out, sliding_window=sliding_window,
+                          logits_soft_cap=logits_soft_cap, sinks=sinks)
+    opts = ScoreOptions(sliding_window, logits_soft_cap, sinks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens = query.shape[0]
@@ -218,13 +314,13 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_se
     decode = [s for s, q_len in enumerate(q_l) if q_len == 1]
     if decode:
         _decode_all(query, k_cache, v_cache, block_tables, seq_lens, decode, starts, seq_l,
-                    scale, out)
+                    scale, out, opts)
     for s, q_len in enumerate(q_l):
         if q_len > 1 and key is not None and q_len == seq_l[s]:
-            prefill_fresh(query, key, value, starts[s], q_len, scale, out)
+            prefill_fresh(query, key, value, starts[s], q_len, scale, out, opts)
         elif q_len > 1:
             prefill_cached(query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_l[s],
-                         scale, out)
+                           scale, out, opts)
     return out
 
 

@@ -88,7 +88,8 @@ def _launch_config(max_seqlen_q: int, group: int, head_dim: int, block_size: int
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                    max_seqlen_q, softmax_scale, out=None, num_splits=None):
+                    max_seqlen_q, softmax_scale, out=None, num_splits=None, *,
+                    sliding_window=None, logits_soft_cap=None, sinks=None):
     """Causal attention of new query rows over the paged cache (Triton, one or two launches).
 
     query:            [num_tokens, num_heads, head_dim]  (strided view allowed)
@@ -101,10 +102,15 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
     num_splits:       None (the split-KV heuristic, or the module's NUM_SPLITS), 1 (plain
                       kernel) or n > 1 (every sequence's context in n segments + a reduce);
                       any batch is correct either way, prefill chunks included
+    sliding_window:   None, or a row at position p sees keys p - sliding_window + 1 .. p
+    logits_soft_cap:  None, or scores become cap * tanh(scores / cap)
+    sinks:            None, or [num_heads] logits that join the softmax's denominator
+                      (the last three as kernels.reference.paged_attention_ref)
     Returns out.
     """
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                          max_seqlen_q, softmax_scale, out)
+                          max_seqlen_q, softmax_scale, out, sliding_window=sliding_window,
+                          logits_soft_cap=logits_soft_cap, sinks=sinks)
     _check_backend(query)
     if num_splits is None:
         num_splits = NUM_SPLITS
@@ -118,10 +124,12 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
         return out
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_splits is None:
-        # Host-known context bound: the table's width, never seq_lens (no sync).
+        # Host-known context bound: the table's width (or the window), never seq_lens (no sync).
+        max_seqlen_k = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_seqlen_k = min(max_seqlen_k, sliding_window + max_seqlen_q)
         num_splits = split_kv.choose_num_splits(
-            num_seqs, num_kv_heads, max_seqlen_q, block_tables.shape[1] * block_size,
-            split_kv.num_sms(query.device))
+            num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k, split_kv.num_sms(query.device))
     cfg = _launch_config(max_seqlen_q, num_heads // num_kv_heads, head_dim, block_size,
                          query.dtype)
     if num_splits > 1:
@@ -133,8 +141,9 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-        part_o, part_m, part_l,
-        float(softmax_scale) * _LOG2_E,
+        part_o, part_m, part_l, out if sinks is None else sinks,
+        float(softmax_scale) * _LOG2_E, float(logits_soft_cap or 1.0) * _LOG2_E,
+        sliding_window or 0,
         num_seqs, block_tables.shape[1], num_splits,
         query.stride(0), query.stride(1), query.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -144,6 +153,9 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
         part_m.stride(0), part_m.stride(1),
         BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1,
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         **cfg,
     )
     if num_splits > 1:

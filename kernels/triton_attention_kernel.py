@@ -17,6 +17,15 @@ on the device from seq_lens) and writes its normalised output, running max and
 sum as fp32 partials instead of the output; kernels/triton_attention_split.py
 merges them. Rows keep their causal horizon in every segment, so split launches
 are exact for prefill chunks too; a segment a row cannot see leaves it l = 0.
+
+Score changes (semantics: kernels/reference.py), each a constexpr flag, so a
+plain launch compiles without them: SLIDING masks keys before each row's window
+and starts the key walk at the tile holding the program's first row's first
+key (tiles wholly before every window are never loaded; split segments divide
+only what is left); SOFT_CAP caps the scores (tanh from exp2, which the
+interpreter and every GPU have); HAS_SINKS folds a per-head logit with no value
+into the softmax state after the walk (in segment 0 only when split, so the
+reduce counts it once).
 """
 
 import triton
@@ -25,6 +34,7 @@ import triton.language as tl
 # Finite "minus infinity" for the running max: a fully masked row then yields
 # exp2(-inf - NEG_BIG) = 0 instead of exp2(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
+LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -88,13 +98,24 @@ def _load_kv_gather(k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_of
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2: sign(x) (1 - e^-2|x|) / (1 + e^-2|x|), which never overflows."""
+    t = tl.exp2(tl.abs(x) * (-2.0 * LOG2_E))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _softmax_step(q, k, v, m_i, l_i, acc, key_pos, key_valid, q_horizon, scale_log2,
-                  IEEE_DOT: tl.constexpr):
+                  window, soft_cap_log2, IEEE_DOT: tl.constexpr, SLIDING: tl.constexpr,
+                  SOFT_CAP: tl.constexpr):
     """Fold one K/V tile into the running softmax state.
 
     q: [BLOCK_M, HEAD_DIM_P]; k: [HEAD_DIM_P, TILE_N]; v: [TILE_N, HEAD_DIM_P]
     m_i, l_i: [BLOCK_M] fp32; acc: [BLOCK_M, HEAD_DIM_P] fp32
     q_horizon: [BLOCK_M] last key position each row may see (causal bound)
+    window (SLIDING): a row sees keys q_horizon - window + 1 .. q_horizon
+    soft_cap_log2 (SOFT_CAP): the cap times log2(e), as the scores are in the log2 domain
     """
     k = k.to(q.dtype)
     v = v.to(q.dtype)
@@ -103,7 +124,11 @@ def _softmax_step(q, k, v, m_i, l_i, acc, key_pos, key_valid, q_horizon, scale_l
     else:
         s = tl.dot(q, k)
     s = s * scale_log2
+    if SOFT_CAP:  # cap * tanh(score / cap), scaled by log2(e) on both sides
+        s = soft_cap_log2 * _tanh(s / soft_cap_log2)
     visible = (key_pos[None, :] <= q_horizon[:, None]) & key_valid[None, :]  # [BLOCK_M, TILE_N]
+    if SLIDING:
+        visible = visible & (key_pos[None, :] > q_horizon[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
     p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
@@ -131,9 +156,10 @@ def _locate_tile(cu_seqlens_q_ptr, seq_lens_ptr, q_tile, num_seqs, BLOCK_Q: tl.c
 
 @triton.jit
 def _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
-            stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, offs_d, d_valid,
-            BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            TILE_N: tl.constexpr, ONE_BLOCK_TILES: tl.constexpr, IEEE_DOT: tl.constexpr):
+            stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, window, soft_cap_log2,
+            offs_d, d_valid, BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, ONE_BLOCK_TILES: tl.constexpr,
+            IEEE_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Online-softmax attention of q over keys [kv_start, kv_end) (kv_start a multiple of TILE_N).
 
     q: [BLOCK_M, HEAD_DIM_P] -> acc [BLOCK_M, HEAD_DIM_P] fp32 (unnormalised),
@@ -153,21 +179,37 @@ def _attend(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, st
                 k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head_off, stride_c_blk,
                 stride_c_pos, tile_start, kv_end, offs_d, d_valid, BLOCK_SIZE, TILE_N)
         m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, key_pos, key_valid, q_horizon,
-                                      scale_log2, IEEE_DOT)
+                                      scale_log2, window, soft_cap_log2, IEEE_DOT, SLIDING,
+                                      SOFT_CAP)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _segment(kv_end, split, num_splits, TILE_N: tl.constexpr):
-    """Key range [seg_start, seg_end) of segment `split` of this tile's keys [0, kv_end).
+def _fold_sink(acc, m_i, l_i, sinks_ptr, head, row_valid, included):
+    """The head's sink joins the softmax state: one more logit, exp2(sink - max), no value.
 
-    The tile's ceil(kv_end / TILE_N) key tiles are dealt out in equal runs of
-    ceil(n_tiles / num_splits); the last segments may be short or empty
-    (seg_start >= seg_end) when the context is short. Lengths come from seq_lens
-    on the device, so num_splits alone fixes the launch shape.
+    head, row_valid: [BLOCK_M]; included: whether this program counts it (segment 0 of a
+    split launch, every program otherwise). Returns acc, m_i, l_i.
     """
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), num_splits)
-    seg_start = split * tiles_per_split * TILE_N
+    sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * LOG2_E
+    m_new = tl.where(included, tl.maximum(m_i, sink), m_i)
+    alpha = tl.exp2(m_i - m_new)
+    # Not included, sink - m_new may be huge: clamped, so the unused exp2 cannot overflow.
+    l_i = l_i * alpha + tl.where(included, tl.exp2(tl.minimum(sink - m_new, 0.0)), 0.0)
+    return acc * alpha[:, None], m_new, l_i
+
+
+@triton.jit
+def _segment(kv_start, kv_end, split, num_splits, TILE_N: tl.constexpr):
+    """Key range [seg_start, seg_end) of segment `split` of this tile's keys [kv_start, kv_end).
+
+    The tile's ceil((kv_end - kv_start) / TILE_N) key tiles (kv_start a multiple of
+    TILE_N) are dealt out in equal runs of ceil(n_tiles / num_splits); the last segments
+    may be short or empty (seg_start >= seg_end) when the context is short. Lengths come
+    from seq_lens on the device, so num_splits alone fixes the launch shape.
+    """
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), num_splits)
+    seg_start = kv_start + split * tiles_per_split * TILE_N
     seg_end = tl.minimum(kv_end, seg_start + tiles_per_split * TILE_N)
     return seg_start, seg_end
 
@@ -205,7 +247,10 @@ def paged_attention_kernel(
     part_o_ptr,        # SPLIT: [num_tokens, num_heads, num_splits, head_dim] fp32 (else unused)
     part_m_ptr,        # SPLIT: [num_tokens, num_heads, num_splits] fp32 running max (log2)
     part_l_ptr,        # SPLIT: [num_tokens, num_heads, num_splits] fp32 running sum
+    sinks_ptr,         # HAS_SINKS: [num_heads] logits (else unused)
     scale_log2,        # softmax_scale * log2(e): exp2 is cheaper than exp
+    soft_cap_log2,     # SOFT_CAP: logits_soft_cap * log2(e) (else unused)
+    sliding_window,    # SLIDING: a row at p sees keys p - sliding_window + 1 .. p (else unused)
     num_seqs, max_blocks, num_splits,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
@@ -224,6 +269,9 @@ def paged_attention_kernel(
     UPCAST: tl.constexpr,      # run the dots in fp32 (interpreter lacks bf16 dot)
     IEEE_DOT: tl.constexpr,    # exact fp32 dots instead of tf32
     SPLIT: tl.constexpr,       # split-KV: program_id(2) is the segment; write partials
+    SLIDING: tl.constexpr,     # sliding-window attention
+    SOFT_CAP: tl.constexpr,    # logit soft-capping
+    HAS_SINKS: tl.constexpr,   # attention sinks
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     kv_head = tl.program_id(1)
@@ -251,13 +299,20 @@ def paged_attention_kernel(
     q_horizon = ctx_len + q_row  # [BLOCK_M]
     kv_end = ctx_len + tl.minimum(q_len, (tile_in_seq + 1) * BLOCK_Q)
     kv_start = 0
+    if SLIDING:  # the tile's first row sees the earliest keys; tiles before its window are skipped
+        first_key = tl.maximum(ctx_len + tile_in_seq * BLOCK_Q - sliding_window + 1, 0)
+        kv_start = first_key // TILE_N * TILE_N
     if SPLIT:
-        kv_start, kv_end = _segment(kv_end, tl.program_id(2), num_splits, TILE_N)
+        kv_start, kv_end = _segment(kv_start, kv_end, tl.program_id(2), num_splits, TILE_N)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     acc, m_i, l_i = _attend(
         q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head * stride_c_head,
-        stride_c_blk, stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, offs_d, d_valid,
-        BLOCK_M, HEAD_DIM_P, BLOCK_SIZE, TILE_N, ONE_BLOCK_TILES, IEEE_DOT)
+        stride_c_blk, stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, sliding_window,
+        soft_cap_log2, offs_d, d_valid, BLOCK_M, HEAD_DIM_P, BLOCK_SIZE, TILE_N,
+        ONE_BLOCK_TILES, IEEE_DOT, SLIDING, SOFT_CAP)
+    if HAS_SINKS:  # unsplit, program_id(2) is always 0
+        acc, m_i, l_i = _fold_sink(acc, m_i, l_i, sinks_ptr, head, row_valid,
+                                   tl.program_id(2) == 0)
     if SPLIT:
         _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, tok, head, tl.program_id(2), acc,
                        m_i, l_i, row_valid, io_mask, offs_d, stride_p_tok, stride_p_head,

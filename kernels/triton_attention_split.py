@@ -14,8 +14,10 @@ and `reduce_splits_kernel` merges the segments of each (token, head):
 
     M = max_s m_s,   w_s = l_s * exp2(m_s - M),   out = sum_s w_s * o_s / sum_s w_s
 
-A segment a row cannot see (past its causal horizon, or past a short
-sequence's end) has l_s = 0 and so weight 0.
+A segment a row cannot see (past its causal horizon, before its sliding
+window, or past a short sequence's end) has l_s = 0 and so weight 0. With a
+window, the segments divide only the keys from the tile holding the first
+row's first visible key on; sinks are folded into segment 0 alone.
 
 Segment lengths are decided on the device per sequence (kernel `_segment`:
 the keys' tiles dealt out in equal runs), so a short context spread over many
@@ -85,10 +87,11 @@ def check_num_splits(num_splits) -> None:
                          f"or None (heuristic), got {num_splits!r}")
 
 
-def segment_bounds(kv_len: int, num_splits: int, tile_n: int) -> list:
-    """Host mirror of the kernel's `_segment` rule (tests, docs): [(start, end)] per split."""
-    per = triton.cdiv(triton.cdiv(kv_len, tile_n), num_splits) * tile_n
-    return [(s * per, min(kv_len, (s + 1) * per)) for s in range(num_splits)]
+def segment_bounds(kv_len: int, num_splits: int, tile_n: int, kv_start: int = 0) -> list:
+    """Host mirror of the kernel's `_segment` rule (tests, docs): [(start, end)] per split of
+    keys [kv_start, kv_len), kv_start a multiple of tile_n (nonzero with a sliding window)."""
+    per = triton.cdiv(triton.cdiv(kv_len - kv_start, tile_n), num_splits) * tile_n
+    return [(kv_start + s * per, min(kv_len, kv_start + (s + 1) * per)) for s in range(num_splits)]
 
 
 def alloc_partials(num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device):

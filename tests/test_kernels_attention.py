@@ -14,6 +14,7 @@ from tests.triton_device import DEVICE  # before kernels: sets the interpreter u
 
 import kernels  # noqa: E402
 from kernels import paged_attention, paged_attention_ref, paged_attention_torch  # noqa: E402
+from tests.test_kernels_cpu_attention import poison_before_windows  # noqa: E402
 
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -209,3 +210,67 @@ def test_torch_path_reuses_workspace_across_sizes():
     for q_lens, seq_lens in (([1, 1], [70, 90]), ([1, 3], [5, 9]), ([1, 40], [200, 100])):
         batch = make_batch(q_lens, seq_lens, 4, 2, 64, 16, torch.float32, seed=len(seq_lens))
         check_against_ref(batch, torch.float32, backends=("torch",))
+
+
+# Sliding window, soft cap, sinks: (q_lens, seq_lens, heads, kv_heads, head_dim, block_size,
+# sliding_window, logits_soft_cap, sinks)
+SCORE_CASES = {
+    "decode_window_shorter_than_block": ([1, 1, 1], [3, 17, 40], 4, 2, 64, 16, 5, None, False),
+    "decode_window_spans_blocks": ([1, 1], [90, 37], 4, 1, 64, 16, 37, None, False),
+    "window_of_one": ([1, 5], [20, 30], 2, 2, 64, 16, 1, None, False),
+    "prefill_window": ([40], [40], 4, 2, 64, 16, 7, None, False),
+    "chunk_with_prefix_window": ([9, 1], [50, 60], 4, 2, 64, 16, 20, None, False),
+    "mixed_window_gather_bs8": ([1, 6, 12], [30, 21, 12], 4, 2, 64, 8, 11, None, False),
+    "soft_cap": ([1, 9], [30, 20], 4, 2, 64, 16, None, 2.0, False),
+    "sinks": ([1, 9], [30, 20], 4, 2, 64, 16, None, None, True),
+    "all_three": ([1, 7, 1], [70, 30, 5], 4, 2, 64, 16, 13, 3.0, True),
+}
+
+
+def score_batch(case, dtype=torch.float32, seed=0):
+    """make_batch plus the case's sliding_window / logits_soft_cap / sinks arguments."""
+    q_lens, seq_lens, heads, kv_heads, head_dim, block_size, window, cap, sinks = SCORE_CASES[case]
+    batch = make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    sink_logits = (2 * torch.randn(heads, generator=gen)).to(DEVICE) if sinks else None
+    return dict(batch, sliding_window=window, logits_soft_cap=cap, sinks=sink_logits)
+
+
+@pytest.mark.parametrize("case", list(SCORE_CASES), ids=list(SCORE_CASES))
+def test_score_options(case):
+    check_against_ref(score_batch(case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_score_options_half(dtype):
+    check_against_ref(score_batch("all_three", dtype, seed=3), dtype)
+
+
+def test_blocks_before_the_window_are_never_read():
+    """Triton skips the tiles before a window, split or not (the torch path skips those
+    blocks too, but its decode buckets pad with other sequences' blocks: finite poison)."""
+    batch = make_batch([1, 9, 1], [90, 60, 40], 4, 2, 64, 16, torch.float32)
+    batch.update(sliding_window=20, logits_soft_cap=None, sinks=torch.randn(4).to(DEVICE))
+    ref = paged_attention_ref(**batch)
+    poison_before_windows(batch)
+    assert batch["k_cache"].isnan().sum() == (4 + 2 + 1) * 16 * 2 * 64  # blocks before 70, 32, 20
+    for num_splits in (1, 3):
+        out = paged_attention(**batch, num_splits=num_splits)
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    out = paged_attention_torch(**poison_before_windows(batch, 1e4))
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("sliding_window", 0, "sliding_window must be None or a python int >= 1, got 0"),
+    ("sliding_window", 2.0, "sliding_window must be None or a python int >= 1, got 2.0"),
+    ("logits_soft_cap", 0.0, "logits_soft_cap must be finite and > 0, got 0.0"),
+    ("logits_soft_cap", -1, "logits_soft_cap must be finite and > 0, got -1"),
+    ("sinks", torch.zeros(3), r"sinks has shape \(3,\); expected \[num_heads\] = \[4\]"),
+    ("sinks", torch.zeros(4, 1), "sinks must be 1-D"),
+])
+def test_bad_score_options_are_refused(name, value, message):
+    batch = dict(score_batch("sinks"), **{name: value})
+    for fn in (paged_attention, paged_attention_torch):
+        with pytest.raises(ValueError, match=message):
+            fn(**batch)

@@ -13,7 +13,8 @@ from tests.triton_device import DEVICE  # before kernels: sets the interpreter u
 import kernels.triton_attention as ta  # noqa: E402
 import kernels.triton_attention_split as split_kv  # noqa: E402
 from kernels import paged_attention, paged_attention_ref  # noqa: E402
-from tests.test_kernels_attention import CASES, DTYPES, TOL, check_against_ref, make_batch  # noqa: E402
+from tests.test_kernels_attention import (CASES, DTYPES, TOL, check_against_ref, make_batch,  # noqa: E402
+                                          score_batch)
 
 
 @pytest.fixture
@@ -60,6 +61,32 @@ def test_segment_boundaries(dtype, reduce_calls):
     q_lens = [1] * len(decode_lens) + [40]
     batch = make_batch(q_lens, decode_lens + [70], 4, 2, head_dim, block_size, dtype)
     check_split(batch, dtype, num_splits, reduce_calls)
+
+
+@pytest.mark.parametrize("case", ["decode_window_spans_blocks", "chunk_with_prefix_window",
+                                  "mixed_window_gather_bs8", "all_three"])
+def test_split_score_options(case, reduce_calls):
+    """Windows (segments divide only the keys from the window's first tile on), the soft
+    cap, and sinks (folded into segment 0 alone) with a forced split."""
+    check_split(score_batch(case, seed=1), torch.float32, 3, reduce_calls)
+
+
+def test_split_window_skips_to_the_window(reduce_calls):
+    """Long decodes behind a short window: the segments of [kv_start, kv_end) all lie in the
+    window, and the sink still counts once."""
+    assert split_kv.segment_bounds(300, 3, 16, kv_start=272) == [(272, 288), (288, 300), (304, 300)]
+    batch = make_batch([1, 1, 4], [300, 77, 38], 4, 2, 32, 16, torch.float32, seed=2)
+    batch.update(sliding_window=29, logits_soft_cap=None, sinks=torch.randn(4).to(DEVICE))
+    check_split(batch, torch.float32, 3, reduce_calls)
+
+
+def test_window_bounds_the_split_heuristic(reduce_calls):
+    """The heuristic's context bound is the window, not the table: a long table behind a
+    short window does not split."""
+    batch = make_batch([1, 1], [4000, 3000], 4, 1, 16, 64, torch.bfloat16)
+    batch.update(sliding_window=64, logits_soft_cap=None, sinks=None)
+    check_against_ref(batch, torch.bfloat16, backends=("triton",))
+    assert reduce_calls == []
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])

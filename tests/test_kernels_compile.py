@@ -34,19 +34,23 @@ def build(kernel, sig, consts, options):
     c = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=H100, options=options)
     return {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin"))}
 
-def attention(elem, max_q, group, head_dim, block_size, split):
+def attention(elem, max_q, group, head_dim, block_size, split, score_options=0):
     cfg = wrapper._launch_config(max_q, group, head_dim, block_size, TT[elem])
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     sig = {n: "*" + elem for n in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr")}
     sig.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")})
     sig.update({n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")})
-    sig["scale_log2"] = "fp32"
+    sig["sinks_ptr"] = "*" + elem
+    sig["scale_log2"] = sig["soft_cap_log2"] = "fp32"
+    sig["sliding_window"] = "i32"
     for n in ("num_seqs", "max_blocks", "num_splits", "stride_q_tok", "stride_q_head",
               "stride_q_dim", "stride_o_tok", "stride_o_head", "stride_o_dim", "stride_c_blk",
               "stride_c_pos", "stride_c_head", "stride_bt_seq", "stride_p_tok", "stride_p_head",
               "stride_ml_tok", "stride_ml_head"):
         sig[n] = "i32"
-    consts = dict(cfg, BLOCK_SIZE=block_size, SPLIT=bool(split))
+    flags = bool(score_options)  # sliding window, soft cap and sinks, all on or all off
+    consts = dict(cfg, BLOCK_SIZE=block_size, SPLIT=bool(split), SLIDING=flags, SOFT_CAP=flags,
+                  HAS_SINKS=flags)
     return build(attn.paged_attention_kernel, sig, consts, options)
 
 def reduce_splits(elem, head_dim, splits):
@@ -77,9 +81,10 @@ for cfg in json.loads(sys.argv[1]):
 print(json.dumps(results))
 '''
 
-# (dtype, max_seqlen_q, group, head_dim, block_size, split): decode and prefill, both
-# K/V addressing paths (block_size 24 takes the per-key gather), padded head_dims,
-# the split-KV variant (partials instead of the output) for decode and a chunk.
+# (dtype, max_seqlen_q, group, head_dim, block_size, split[, score_options]): decode and
+# prefill, both K/V addressing paths (block_size 24 takes the per-key gather), padded
+# head_dims, the split-KV variant (partials instead of the output) for decode and a chunk,
+# and sliding window + soft cap + sinks, split and not.
 ATTN_CONFIGS = [
     ("fp16", 1, 4, 128, 16, 0),
     ("bf16", 512, 1, 80, 32, 0),
@@ -87,6 +92,8 @@ ATTN_CONFIGS = [
     ("bf16", 128, 2, 256, 16, 0),
     ("bf16", 1, 4, 128, 16, 1),
     ("bf16", 8, 2, 80, 24, 1),
+    ("bf16", 64, 4, 64, 16, 0, 1),
+    ("fp16", 1, 8, 128, 16, 1, 1),
 ]
 NUM_REDUCE_CONFIGS = 2
 SHARED_MEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_90

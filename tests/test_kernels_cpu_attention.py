@@ -62,6 +62,32 @@ def check(batch, **extra):
     torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
 
 
+def poison_before_windows(batch, value=float("nan")):
+    """Fill the blocks wholly before each sequence's first query row's window with `value`.
+
+    No row may read them: with NaN, a kernel that loads one (even masked: 0 * NaN) fails.
+    """
+    block_size = batch["k_cache"].shape[1]
+    cu = batch["cu_seqlens_q"].tolist()
+    for s, seq_len in enumerate(batch["seq_lens"].tolist()):
+        first_key = max(0, seq_len - (cu[s + 1] - cu[s]) - batch["sliding_window"] + 1)
+        hidden = batch["block_tables"][s, :first_key // block_size].long()
+        batch["k_cache"][hidden] = value
+        batch["v_cache"][hidden] = value
+    return batch
+
+
+def check_windowed(batch, **extra):
+    """check() with the blocks before every window poisoned after the reference ran: the
+    kernel must skip them, not only mask them."""
+    ref = paged_attention_ref(**batch)
+    poison_before_windows(batch)
+    out = torch.full_like(batch["query"], float("nan"))
+    paged_attention_cpu(**batch, out=out, **extra)
+    assert not torch.isnan(out).any(), "rows left unwritten, or a block before the window was read"
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+
+
 # Decode lengths around the 16-row block and 16-key vector edges, short to long.
 DECODE_LENS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 128, 129, 300]
 
@@ -107,6 +133,62 @@ def test_fresh_chunks_use_the_new_key_value_rows():
             slots.append(int(batch["block_tables"][s, p // 16]) * 16 + p % 16)
     store_kv_cpu(key, value, batch["k_cache"], batch["v_cache"], torch.tensor(slots))
     check(batch, key=key, value=value)
+
+
+# Decodes, short chunks with a prefix (the kernel), a long one (SDPA), around the windows.
+WINDOW_Q_LENS = [1, 1, 1, 1, 5, 20, KERNEL_MAX_Q_LEN + 7]
+WINDOW_SEQ_LENS = [3, 17, 40, 300, 50, 20, KERNEL_MAX_Q_LEN + 90]
+
+
+@needs_kernel
+@pytest.mark.parametrize("window, block_size", [(1, 16), (5, 8), (5, 16), (16, 32), (37, 24),
+                                                (37, 16), (4096, 16)])
+def test_sliding_window(window, block_size):
+    """Windows shorter than a block and spanning several; 8 and 24 take the row-by-row path."""
+    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 4, 2, 64, block_size=block_size, seed=window)
+    check_windowed(dict(batch, sliding_window=window))
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("group", [1, 4])
+def test_soft_cap_and_sinks(group, head_dim):
+    gen = torch.Generator().manual_seed(group)
+    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 2 * group, 2, head_dim, seed=group)
+    sinks = 3 * torch.randn(2 * group, generator=gen)
+    check(dict(batch, logits_soft_cap=1.5))
+    check(dict(batch, sinks=sinks))
+    check_windowed(dict(batch, sliding_window=21, logits_soft_cap=30.0, sinks=sinks))
+
+
+@needs_kernel
+def test_fresh_chunks_with_a_window_use_the_new_rows():
+    batch = make_batch([45, 1], [45, 33], 4, 2, 64)
+    key, value = torch.randn(46, 2, 64), torch.randn(46, 2, 64)
+    slots = [int(batch["block_tables"][0, p // 16]) * 16 + p % 16 for p in range(45)]
+    slots.append(int(batch["block_tables"][1, 2]) * 16)  # position 32
+    store_kv_cpu(key, value, batch["k_cache"], batch["v_cache"], torch.tensor(slots))
+    sinks = torch.randn(4)
+    check(dict(batch, sliding_window=9), key=key, value=value)
+    check(dict(batch, sliding_window=9, logits_soft_cap=2.0, sinks=sinks), key=key, value=value)
+
+
+def test_torch_fallback_honours_the_score_options(fresh_build, monkeypatch):
+    monkeypatch.setenv(cpu_build.DISABLE_ENV, "1")
+    assert not kernel_available()
+    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 4, 2, 64, poison=1e4)
+    check(dict(batch, sliding_window=11, logits_soft_cap=5.0, sinks=torch.randn(4)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra, message", [
+    (dict(sliding_window=0), "sliding_window must be None or a python int >= 1"),
+    (dict(logits_soft_cap=float("nan")), "logits_soft_cap must be finite and > 0"),
+    (dict(sinks=torch.zeros(2)), r"sinks has shape \(2,\); expected \[num_heads\] = \[4\]"),
+])
+def test_bad_score_options_are_refused(extra, message):
+    with pytest.raises(ValueError, match=message):
+        paged_attention_cpu(**make_batch([1], [20], 4, 2, 64), **extra)
 
 
 @needs_kernel
