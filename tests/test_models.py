@@ -28,12 +28,17 @@ _COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden
                initializer_range=0.5)  # large init: logits far from uniform
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=64)
+# Half of each head rotates; every sequence HF recomputes whole here fits the original 24 positions
+# (the long factors past them: tests/test_phi3.py, against HF's own decode loop).
+PHI3_ROPE = dict(partial_rotary_factor=0.5, original_max_position_embeddings=24, rope_parameters=dict(
+    rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[1.0, 2.0, 4.0, 8.0]))
 # transformers is imported lazily: the TP test's worker processes import this module and never need it.
 HF_CONFIGS = {  # (config class, per-arch settings: each exercises that family's distinctive path)
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=True)),  # MQA, q/k/v bias, tied
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32)),               # q/k norm, head_dim != 64/4
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=None, **PHI3_ROPE)),  # fused tensors, LongRoPE
 }
 
 

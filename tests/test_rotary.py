@@ -44,7 +44,7 @@ POSITIONS = [0, 1, 7, 63, 64, 65, 127, 128, 129, 511, 512, 1000, 2047, 2559]
 
 def _hf_config(name: str):
     cls, kw = CASES[name]
-    arch = {"Qwen2Config": "Qwen2ForCausalLM"}.get(cls, "LlamaForCausalLM")  # our RoPE parsing is per config, not per arch
+    arch = {"Phi3Config": "Phi3ForCausalLM", "Qwen2Config": "Qwen2ForCausalLM"}.get(cls, "LlamaForCausalLM")
     return getattr(transformers, cls)(**_SHAPE, **kw, architectures=[arch])
 
 

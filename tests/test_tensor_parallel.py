@@ -12,7 +12,8 @@ from test_models import attach_kv_cache, build_hf_checkpoint, load_our_model, pr
 
 TP_SIZE = 2
 CASES = {"llama-kv2": dict(arch="llama", num_key_value_heads=2),
-         "qwen2-kv1": dict(arch="qwen2", num_key_value_heads=1)}
+         "qwen2-kv1": dict(arch="qwen2", num_key_value_heads=1),
+         "phi3-kv2": dict(arch="phi3", num_key_value_heads=2)}  # fused qkv / gate_up tensors split per rank
 
 
 def _run(path) -> torch.Tensor:

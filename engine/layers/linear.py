@@ -5,7 +5,9 @@ layer splits the output dim (each rank computes a slice of the features, no
 communication); a row-parallel layer splits the input dim (each rank computes a
 partial sum, summed by all_reduce in `forward`). Every parameter carries a
 `weight_loader(param, loaded_weight, shard_id=None)` that cuts this rank's slice
-out of the full checkpoint tensor, so the loader knows nothing about TP.
+out of the full checkpoint tensor, so the loader knows nothing about TP. The fused layers
+also take a checkpoint that stores their parts fused already (Phi-3's qkv_proj, gate_up_proj):
+shard_id None means "every part, in order", which they split and load part by part.
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up). Rank r's weight rows:
 
-        [ gate rows of rank r | up rows of rank r ]   shard_id 0, 1, ... index `output_sizes`
+        [ gate rows of rank r | up rows of rank r ]   shard_id 0, 1, ... index `output_sizes`,
+                                                      None: [gate | up] of the full model fused
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
@@ -83,6 +86,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            _load_fused(self.weight_loader, param, loaded_weight,
+                        {i: size * self.tp_size for i, size in enumerate(self.shard_sizes)})
+            return
         if shard_id not in range(len(self.shard_sizes)):
             raise ValueError(f"shard_id={shard_id!r} is invalid for {len(self.shard_sizes)} merged outputs")
         size = self.shard_sizes[shard_id]
@@ -97,12 +104,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads
     consecutive ranks (rank r holds head r // replicas), so every rank has one.
+    shard_id None: the full model's [q | k | v] rows fused, as Phi-3 stores them.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
         tp_size = get_tp_size()
-        self.head_dim = head_dim
+        self.head_dim, self.total_num_heads, self.total_num_kv_heads = head_dim, total_num_heads, total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
         if total_num_kv_heads >= tp_size:
             self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
@@ -116,6 +124,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            q, kv = self.total_num_heads * self.head_dim, self.total_num_kv_heads * self.head_dim
+            _load_fused(self.weight_loader, param, loaded_weight, {"q": q, "k": kv, "v": kv})
+            return
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -124,6 +136,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"shard_id={shard_id!r} is invalid: expected 'q', 'k' or 'v'")
         copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
+
+def _load_fused(weight_loader, param: nn.Parameter, loaded_weight: torch.Tensor, sizes: dict) -> None:
+    """A checkpoint tensor holding every part's full rows in order ({shard_id: rows}), loaded part by part."""
+    if loaded_weight.shape[0] != sum(sizes.values()):
+        raise ValueError(f"fused checkpoint tensor has {loaded_weight.shape[0]} rows, expected "
+                         f"{' + '.join(map(str, sizes.values()))} ({', '.join(map(str, sizes))})")
+    offset = 0
+    for shard_id, size in sizes.items():
+        weight_loader(param, loaded_weight.narrow(0, offset, size), shard_id)
+        offset += size
 
 
 class RowParallelLinear(LinearBase):

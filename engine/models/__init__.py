@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",        # fused qkv / gate_up tensors, LongRoPE
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 

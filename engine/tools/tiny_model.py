@@ -9,7 +9,8 @@ arguments give byte-identical files.
                     max_shard_size=None, chat_template=None, added_tokens=(),
                     **config_overrides) -> Path
 
-arch: llama | mistral | qwen2 | qwen3 (None: llama, or the preset's own arch).
+arch: llama | mistral | qwen2 | qwen3 | phi3 (None: llama, or the preset's own arch).
+phi3: LongRoPE (original context max_position_embeddings / 8) and partial_rotary_factor 0.75.
 moe archs: mixtral | qwen2_moe | qwen3_moe, 8 experts, top-2 (expert MLPs half as wide as
 intermediate_size; qwen2_moe's shared expert as wide, its layer 1 dense).
 preset: tiny (tests) | bench (CPU benchmark, ~22M params) | qwen3-0.6b |
@@ -39,7 +40,7 @@ from engine.math_utils import cdiv
 from engine.tools._tiny_corpus import corpus_lines
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Mixture-of-experts: with 8 experts and top-2, a batch's tokens reach every expert.
 MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ARCHS.update(MOE_ARCHS)
@@ -55,6 +56,7 @@ ARCH_CONFIG = {
                       norm_topk_prob=False, mlp_only_layers=[1]),
     "qwen3_moe": dict(tie_word_embeddings=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=True),
+    "phi3": dict(tie_word_embeddings=False, sliding_window=None, partial_rotary_factor=0.75),
 }
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -167,8 +169,19 @@ def _build_config(arch: str, preset: dict, tok_len: int, ids: dict, overrides: d
     if arch == "qwen2_moe":
         kw.setdefault("shared_expert_intermediate_size", kw["intermediate_size"])
     theta = kw.pop("rope_theta")  # transformers>=5 spells it rope_parameters
-    kw.setdefault("rope_parameters", dict(rope_type="default", rope_theta=theta))
+    kw.setdefault("rope_parameters", _longrope(kw, theta) if arch == "phi3" else dict(rope_type="default", rope_theta=theta))
     return AutoConfig.for_model(arch, architectures=[ARCHS[arch]], dtype=preset["dtype"], **kw)
+
+
+def _longrope(kw: dict, theta: float) -> dict:
+    """Phi-3's LongRoPE on an original context of max_position_embeddings / 8: per-frequency
+    divisors rising from 1 (short) and to 8 (long), one per rotated pair of features."""
+    head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    pairs = int(head_dim * kw.get("partial_rotary_factor", 1.0)) // 2
+    kw.setdefault("original_max_position_embeddings", kw["max_position_embeddings"] // 8)
+    return dict(rope_type="longrope", rope_theta=theta,
+                short_factor=[1.0 + 0.5 * i / pairs for i in range(pairs)],
+                long_factor=[1.0 + 7.0 * (i / (pairs - 1)) ** 2 for i in range(pairs)])
 
 
 def _init_tensor(name, shape, config, n_tok: int, seed: int, dtype, device="cpu") -> torch.Tensor:
