@@ -8,6 +8,7 @@ loader bug cannot cancel out against a writer bug.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -54,6 +55,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
             data = llama_cpp_permute(data, config["num_key_value_heads"])
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         writer.add_tensor(gguf_name, data, raw_dtype=None if data.dtype == np.float32 else qtype)
+    rope_freqs = llama3_rope_freqs(config)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
     for gguf_name, array in (extra or {}).items():
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
@@ -61,6 +65,30 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray | None:
+    """convert_hf_to_gguf.py's LlamaModel on a llama3-scaled RoPE: one divisor per frequency
+    (1 for short wavelengths, `factor` for long ones, the smooth blend's inverse between), written
+    as the rope_freqs tensor; the metadata then names no scaling. None for other RoPEs."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if (rope.get("rope_type") or rope.get("type")) != "llama3":
+        return None
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    base = rope.get("rope_theta") or config["rope_theta"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            divisors.append(1.0)
+        elif wavelen > old_len / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def save_as_hf(hf_dir: str | Path, weights: dict[str, np.ndarray], out: str | Path) -> Path:

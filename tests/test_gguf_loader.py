@@ -1,5 +1,6 @@
 """GGUF checkpoints: written here from tiny HF checkpoints (tests/gguf_writer.py), loaded by the engine,
 and run token for token against HF transformers on the weights the file really holds."""
+import json
 import random
 import shutil
 
@@ -11,6 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.layers.rotary import get_rope
 from engine.loader.gguf_config import SUPPORTED_TENSOR_TYPES, find_gguf, hf_view
 from engine.loader.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
 from engine.loader.model_path import resolve_model_path
@@ -181,3 +184,27 @@ def test_tensor_parallel_shards_gguf_weights(tiny_llama, tmp_path):
             assert_matches(out.outputs[0].token_ids, hf_greedy(str(reference), p, MAX_TOKENS), f"tp=2, {len(p)}")
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_llama31_rope_freqs_are_used(tiny_llama, tmp_path):
+    """A Llama 3.1-style GGUF: llama.cpp's converter writes the llama3 RoPE scaling as the
+    rope_freqs tensor (one divisor per frequency; no scaling in the metadata). The engine divides
+    its frequencies by it: its table is the llama3 one, and greedy tokens equal HF's on the llama3
+    checkpoint with the dequantized weights."""
+    hf_path = tmp_path / "llama31"
+    shutil.copytree(tiny_llama, hf_path)
+    config = json.loads((hf_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 256, "rope_theta": config["rope_theta"]}
+    (hf_path / "config.json").write_text(json.dumps(config))
+    stored = write_gguf(hf_path, tmp_path / "model.gguf", Q.Q8_0)
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
+    reference = save_as_hf(hf_path, stored, tmp_path / "hf-dequantized")
+    _check_greedy(tmp_path / "model.gguf", reference)
+    llm = LLM(str(tmp_path / "model.gguf"), dtype="float32", device="cpu")
+    ours = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert llm.llm_engine.model_config.rope_scaling is None  # the file's metadata: plain RoPE
+    llama3 = get_rope(ModelConfig.from_pretrained(reference)).cos_sin_cache
+    torch.testing.assert_close(ours, llama3, rtol=0, atol=2e-5)  # divisors as llama.cpp rounds them
+    plain = get_rope(ModelConfig.from_pretrained(tiny_llama)).cos_sin_cache
+    assert (ours - plain).abs().max() > 0.5  # the scaling really changed the table

@@ -146,12 +146,20 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
-        angles, attention_factor = rope_angles(rope_scaling, base, rotary_dim, max_position)
-        cos, sin = angles.cos(), angles.sin()
-        if attention_factor != 1.0:  # yarn / longrope: HF scales cos and sin, so q.k by its square
-            cos, sin = cos * attention_factor, sin * attention_factor
-        # [max_position, rotary_dim]: cos of each angle in the first half, sin in the second
-        self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
+        self.base, self.rope_scaling, self.max_position = base, rope_scaling, max_position
+        self.register_buffer("cos_sin_cache", _cos_sin(*rope_angles(rope_scaling, base, rotary_dim, max_position)),
+                             persistent=False)
+
+    def divide_frequencies(self, divisors: torch.Tensor) -> None:
+        """inv_freq[i] / divisors[i], the table rebuilt in place: llama.cpp's `rope_freqs` tensor,
+        which its converter writes into Llama 3.1+ GGUF files instead of the llama3 scaling (their
+        metadata names none), on plain RoPE."""
+        if self.rope_scaling is not None or divisors.shape != (self.rotary_dim // 2,):
+            raise ValueError(f"rope_freqs of shape {tuple(divisors.shape)} on RoPE {self.rope_scaling or 'default'} "
+                             f"is not supported (only {self.rotary_dim // 2} divisors on plain RoPE)")
+        positions = torch.arange(self.max_position, dtype=torch.float32)[:, None]
+        inv_freq = _inv_freq(self.base, self.rotary_dim) / divisors.to(torch.float32).cpu()
+        self.cos_sin_cache.copy_(_cos_sin(positions * inv_freq, 1.0))
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         """positions [n]; query [n, num_heads, head_dim], key [n, num_kv_heads, head_dim] or None.
@@ -167,6 +175,14 @@ class RotaryEmbedding(nn.Module):
         for t in tensors:
             _rotate_neox_(t[..., : self.rotary_dim], cos, sin)  # a view: the pass-through tail untouched
         return query, key
+
+
+def _cos_sin(angles: torch.Tensor, attention_factor: float) -> torch.Tensor:
+    """[max_position, rotary_dim]: cos of each angle in the first half, sin in the second."""
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:  # yarn / longrope: HF scales cos and sin, so q.k by its square
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return torch.cat((cos, sin), dim=-1)
 
 
 def get_rope(config, rope: dict | None = None) -> RotaryEmbedding:

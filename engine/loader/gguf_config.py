@@ -68,8 +68,6 @@ def check_gguf(reader, name: str) -> str:
     if unsupported:
         raise ValueError(f"{name}: GGUF tensor type(s) {', '.join(unsupported)} are not supported "
                          f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{name}: rope_freqs.weight (Llama-3.1-style RoPE scaling in GGUF) is not supported")
     return arch
 
 

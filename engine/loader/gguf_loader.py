@@ -6,6 +6,10 @@ Each tensor is renamed to its HF name, dequantized to float32 with `gguf.quants.
 and then goes the way a safetensors tensor goes: to the parameter's own `weight_loader`, which
 casts it to the engine dtype and cuts this TP rank's slice. One tensor is dequantized at a
 time, so the float32 copy of the whole model never exists.
+
+`rope_freqs.weight` (Llama 3.1+ files: llama.cpp's converter writes the llama3 RoPE scaling as one
+divisor per frequency, and no scaling in the metadata) is used as llama.cpp uses it: the model's
+rotary table is rebuilt with inv_freq / rope_freqs.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from torch import nn
 
+from engine.layers.rotary import RotaryEmbedding
 from engine.loader.gguf_config import check_gguf
 # The safetensors loader's own name mapping, so both formats fill parameters the same way.
 from engine.loader.weights import load_named_tensors
@@ -43,6 +48,7 @@ _BLOCK_NAMES = {
 # Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved
 # (GPT-J style) RoPE; Qwen2/Qwen3 use NeoX RoPE in llama.cpp and are stored as in HF.
 _PERMUTED_ARCHS = ("llama",)
+_ROPE_FREQS = "rope_freqs.weight"
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -97,7 +103,14 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
     def tensors():
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
-            if not (tied and name == "lm_head.weight"):
+            if not (tied and name == "lm_head.weight") and tensor.name != _ROPE_FREQS:
                 yield tensor.name, name, lambda tensor=tensor, name=name: _hf_tensor(tensor, name, arch, config)
 
     load_named_tensors(model, tensors(), f"GGUF {path.name}", "tensors")
+    for tensor in (t for t in reader.tensors if t.name == _ROPE_FREQS):
+        divisors = torch.from_numpy(dequantize_tensor(tensor))
+        for rotary in {id(m): m for m in model.modules() if isinstance(m, RotaryEmbedding)}.values():
+            try:
+                rotary.divide_frequencies(divisors)
+            except ValueError as e:
+                raise ValueError(f"GGUF {path.name}: {e}") from e
