@@ -74,6 +74,19 @@ def test_routing_orders_agree_and_renormalise():
     torch.testing.assert_close(raw, logits.softmax(-1).topk(2).values)
 
 
+def test_layer_loads_fused_tensors_and_runs_packed_on_cpu():
+    g = torch.Generator().manual_seed(3)
+    layer = FusedMoE(num_experts=4, top_k=2, hidden_size=16, intermediate_size=12, renormalize=False)
+    w13, w2 = torch.randn(4, 24, 16, generator=g), torch.randn(4, 16, 12, generator=g)
+    layer.weight_loader(layer.gate_up_proj, w13)  # shard id None: transformers 5's fused layout
+    layer.weight_loader(layer.down_proj, w2)
+    layer.process_weights_after_loading()
+    assert layer.packed_experts is not None and len(layer.packed_experts) == 4  # oneDNN, as the runner packs linears
+    x, logits = torch.randn(9, 16, generator=g), torch.randn(9, 4, generator=g)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    torch.testing.assert_close(layer(x, logits), fused_moe_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_layer_refuses_bad_expert_shards():
     layer = FusedMoE(num_experts=4, top_k=2, hidden_size=8, intermediate_size=6, renormalize=True)
     with pytest.raises(ValueError, match="expert 4 is out of range"):

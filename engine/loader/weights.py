@@ -127,3 +127,6 @@ def load_named_tensors(model: nn.Module, tensors, source: str, kind: str) -> Non
         raise ValueError(f"{source} does not match the model: missing weights {missing[:20]}"
                          f"{' ...' if len(missing) > 20 else ''}; unexpected {kind} {sorted(unexpected)[:20]}"
                          f"{' ...' if len(unexpected) > 20 else ''}")
+    for module in model.modules():  # what a layer derives from its weights once all are in (packed experts)
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()

@@ -21,18 +21,10 @@ import torch
 from torch import nn
 
 from engine.executor.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine.layers.cpu_gemm import can_pack, pack, packed_linear
 from engine.layers.fused_moe.routing import select_experts
 from engine.layers.linear import copy_weight, divide
 from kernels.torch_fused_moe import fused_moe_torch
-
-
-def _experts_impl(device: torch.device):
-    """The Triton grouped GEMMs on CUDA; the sorted per-expert torch path elsewhere."""
-    if device.type == "cuda":
-        from kernels.triton_fused_moe import fused_moe  # triton only where it runs natively
-
-        return fused_moe
-    return fused_moe_torch
 
 
 def _check_shape(loaded: torch.Tensor, expected: list[int]) -> None:
@@ -59,6 +51,10 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
+        # CPU fp32: each expert's two weights packed for oneDNN once loaded (engine.layers.cpu_gemm:
+        # F.linear would repack them on every call, most of the time at decode-sized slices).
+        # The dense stacks stay, for state_dict and a later move to CUDA: twice the experts' memory.
+        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """shard_id: (expert, 0 | 1) for one expert's gate / up [I, H], (expert, None) for its
@@ -89,10 +85,24 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"shard_id={shard_id!r} is invalid for gate_up_proj: expected (expert, 0 or 1)")
 
+    def process_weights_after_loading(self) -> None:
+        """Called by the loader once every weight is in."""
+        if can_pack(self.gate_up_proj[0]) and can_pack(self.down_proj[0]):
+            self.packed_experts = [(pack(self.gate_up_proj[e]), pack(self.down_proj[e]))
+                                   for e in range(self.num_experts)]
+
+    def _packed_linear(self, x: torch.Tensor, expert: int, proj: int) -> torch.Tensor:
+        return packed_linear(x, self.packed_experts[expert][proj], None)
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_first)
-        out = _experts_impl(hidden_states.device)(hidden_states, self.gate_up_proj, self.down_proj,
-                                                 topk_weights, topk_ids)
+        args = (hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if hidden_states.is_cuda:  # the Triton grouped GEMMs
+            from kernels.triton_fused_moe import fused_moe  # triton only where it runs natively
+
+            out = fused_moe(*args)
+        else:  # the sorted per-expert torch path, through the packed weights when loading packed them
+            out = fused_moe_torch(*args, expert_linear=self._packed_linear if self.packed_experts else None)
         return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
