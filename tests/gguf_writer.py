@@ -16,7 +16,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file, save_file
 
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+          "Phi3ForCausalLM": "phi3"}
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -58,6 +59,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
     rope_freqs = llama3_rope_freqs(config)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
+    if arch == "phi3":
+        _add_phi3_rope(writer, config)
     for gguf_name, array in (extra or {}).items():
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
@@ -91,6 +94,20 @@ def llama3_rope_freqs(config: dict) -> np.ndarray | None:
     return np.array(divisors, dtype=np.float32)
 
 
+def _add_phi3_rope(writer: gguf.GGUFWriter, config: dict) -> None:
+    """convert_hf_to_gguf.py's Phi3MiniModel: the original context, the sliding window (0: none),
+    and for LongRoPE its attention factor and the two factor lists as tensors."""
+    max_pos, old_len = config["max_position_embeddings"], config["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(old_len)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if (rope.get("rope_type") or rope.get("type")) in ("longrope", "su"):
+        scale = max_pos / old_len
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old_len)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def save_as_hf(hf_dir: str | Path, weights: dict[str, np.ndarray], out: str | Path) -> Path:
     """A copy of the checkpoint in `hf_dir` with `weights` in place of its own (the HF reference
     for a quantized GGUF: HF run on the weights the GGUF really holds)."""
@@ -114,7 +131,9 @@ def _add_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    # Phi3MiniModel counts the rotated features from the hidden size: int(factor * hidden) // heads
+    writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * config["hidden_size"])
+                                    // config["num_attention_heads"] if "partial_rotary_factor" in config else head_dim)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])

@@ -17,6 +17,7 @@ from engine.layers.rotary import get_rope
 from engine.loader.gguf_config import SUPPORTED_TENSOR_TYPES, find_gguf, hf_view
 from engine.loader.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
 from engine.loader.model_path import resolve_model_path
+from engine.tools.tiny_model import make_tiny_model
 from tests.gguf_writer import llama_cpp_permute, save_as_hf, write_gguf
 from tests.hf_reference import assert_matches, hf_greedy
 
@@ -28,9 +29,9 @@ def _prompts(vocab_size: int, lens=(1, 7, 40, 130), seed=0):
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lens]
 
 
-def _check_greedy(gguf_path, hf_path):
+def _check_greedy(gguf_path, hf_path, lens=(1, 7, 40, 130)):
     llm = LLM(str(gguf_path), dtype="float32", device="cpu")
-    prompts = _prompts(llm.llm_engine.model_config.vocab_size)
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     for p, out in zip(prompts, outs):
@@ -142,6 +143,8 @@ def test_tensor_names():
     assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_name("blk.1.attn_qkv.weight", "phi3") == "model.layers.1.self_attn.qkv_proj.weight"
+    assert hf_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"  # [gate | up]
 
 
 def test_unsupported_architecture_is_named(tmp_path):
@@ -208,3 +211,17 @@ def test_llama31_rope_freqs_are_used(tiny_llama, tmp_path):
     torch.testing.assert_close(ours, llama3, rtol=0, atol=2e-5)  # divisors as llama.cpp rounds them
     plain = get_rope(ModelConfig.from_pretrained(tiny_llama)).cos_sin_cache
     assert (ours - plain).abs().max() > 0.5  # the scaling really changed the table
+
+
+def test_phi3_gguf_equals_hf_on_dequantized_weights(tmp_path):
+    """llama.cpp's `phi3`: fused attn_qkv and ffn_up (gate and up) tensors, rope.dimension_count for
+    the partial rotary, and LongRoPE's factor lists as the rope_factors_short / _long tensors, which
+    the HF view turns back into the config; a 250-token prompt generates into the long factors."""
+    hf_path = make_tiny_model(tmp_path / "phi3", arch="phi3")
+    stored = write_gguf(hf_path, tmp_path / "model.gguf", Q.Q8_0)
+    reference = save_as_hf(hf_path, stored, tmp_path / "hf-dequantized")
+    _check_greedy(tmp_path / "model.gguf", reference, lens=(7, 250))
+    view = ModelConfig.from_pretrained(resolve_model_path(str(tmp_path / "model.gguf")))
+    ours = ModelConfig.from_pretrained(hf_path)
+    assert (view.partial_rotary_factor, view.rope_scaling["original_max_position_embeddings"]) == (0.75, 256)
+    torch.testing.assert_close(get_rope(view).cos_sin_cache, get_rope(ours).cos_sin_cache, rtol=0, atol=1e-6)

@@ -30,7 +30,8 @@ from pathlib import Path
 GGUF_LINK = "model.gguf"
 # GGUF `general.architecture` -> the HF architecture our engine runs it as.
 # (llama.cpp writes Mistral checkpoints as "llama" too.)
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 # Tensor types we dequantize (with gguf.quants.dequantize, llama.cpp's reference in numpy).
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                           "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -115,9 +116,34 @@ def _write_view(gguf_path: Path, out: Path) -> None:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:
         config.head_dim = int(key_length.contents())
+    if arch == "phi3":
+        _phi3_rope(reader, config)
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(out)
     os.symlink(gguf_path, out / GGUF_LINK)
+
+
+def _phi3_rope(reader, config) -> None:
+    """What transformers' GGUF config leaves out for `phi3`: the rotated share of each head
+    (rope.dimension_count), the original context, the sliding window (0: none) and LongRoPE,
+    whose factor lists llama.cpp keeps as the rope_factors_short / _long tensors."""
+    def field(key, default=None):
+        value = reader.fields.get(f"phi3.{key}")
+        return default if value is None else value.contents()
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = field("rope.dimension_count", head_dim) / head_dim
+    old_len = int(field("rope.scaling.original_context_length", config.max_position_embeddings))
+    config.partial_rotary_factor, config.original_max_position_embeddings = partial, old_len
+    config.sliding_window = field("attention.sliding_window") or None
+    factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_factors_")}
+    rope = {"rope_type": "default", "rope_theta": float(field("rope.freq_base", 10000.0)), "partial_rotary_factor": partial}
+    if factors:
+        rope.update(rope_type="longrope", original_max_position_embeddings=old_len,
+                    short_factor=factors["rope_factors_short.weight"], long_factor=factors["rope_factors_long.weight"])
+        if field("rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = float(field("rope.scaling.attn_factor"))
+    config.rope_parameters = rope
 
 
 def _cache_root() -> Path:

@@ -47,17 +47,22 @@ _BLOCK_NAMES = {
 }
 # Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved
 # (GPT-J style) RoPE; Qwen2/Qwen3 use NeoX RoPE in llama.cpp and are stored as in HF.
+# Per architecture: llama.cpp names whose HF module differs (phi3 keeps HF's fused tensors).
+_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _PERMUTED_ARCHS = ("llama",)
 _ROPE_FREQS = "rope_freqs.weight"
+# Read into the config by the HF view (engine.loader.gguf_config), not into parameters.
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a name we do not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -102,8 +107,8 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
 
     def tensors():
         for tensor in reader.tensors:
-            name = hf_name(tensor.name)
-            if not (tied and name == "lm_head.weight") and tensor.name != _ROPE_FREQS:
+            name = hf_name(tensor.name, arch)
+            if not (tied and name == "lm_head.weight") and tensor.name not in (_ROPE_FREQS, *_CONFIG_TENSORS):
                 yield tensor.name, name, lambda tensor=tensor, name=name: _hf_tensor(tensor, name, arch, config)
 
     load_named_tensors(model, tensors(), f"GGUF {path.name}", "tensors")
