@@ -55,8 +55,8 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Per layer, "full_attention" or "sliding_attention" (attending to the last `sliding_window`
-    # positions only); None: every layer full.
+    # Per layer, "full_attention" or "sliding_attention" (a query at p attends keys
+    # p - sliding_window + 1 .. p only); both None: every layer full (_layer_types reads them).
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     # The checkpoint's config.json as read: the keys only one architecture uses (expert counts,
@@ -71,6 +71,13 @@ class ModelConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
         _check_rope(self)
+        self.sliding_window, self.layer_types = _checked_sliding_window(self)
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`: sliding_window if it is a sliding layer, else None."""
+        if self.layer_types is None or self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike) -> "ModelConfig":
@@ -86,6 +93,7 @@ class ModelConfig:
         _refuse_unsupported_features(hf, arch)
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
+        layer_types = _layer_types(hf, arch, hf["num_hidden_layers"])
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -104,6 +112,8 @@ class ModelConfig:
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", ""),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            sliding_window=hf["sliding_window"] if layer_types else None,
+            layer_types=layer_types,
             hf_config=hf,
         )
 
@@ -189,14 +199,74 @@ def _check_rope(config: ModelConfig) -> None:
 def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     """Refuse what we would otherwise silently mis-run."""
     check_architecture(arch)
-    sliding = hf.get("sliding_window")
-    uses_sliding = hf.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))
-    if sliding is not None and uses_sliding and sliding < hf.get("max_position_embeddings", 0):
-        raise ValueError(f"sliding_window={sliding} is not supported (sliding-window attention is not implemented)")
     if hf.get("quantization_config"):
         raise ValueError("quantized checkpoints (quantization_config) are not supported")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# The architectures whose model passes each layer's window to its attention (the Llama graph,
+# engine/models/llama.py); any other with a sliding layer is refused by name.
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Those that slide only with use_sliding_window (default off), and those whose HF model gives
+# every layer the window whatever layer_types says.
+_QWEN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_EVERY_LAYER_SLIDES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _layer_types(hf: dict[str, Any], arch: str, num_layers: int) -> list[str] | None:
+    """Each layer's "full_attention" / "sliding_attention" as HF's model builds them; None when
+    no layer slides. transformers 5 writes `layer_types`; older configs only the keys each
+    family reads: Mistral's `sliding_window` (every layer; null: none), Qwen2's
+    `use_sliding_window` with `max_window_layers` (layers from that index on slide), Gemma 2's
+    alternation (even layers slide), Gemma 3's `sliding_window_pattern` (every Nth layer full)."""
+    if hf.get("sliding_window") is None:
+        return None
+    if arch in _QWEN_WINDOW_ARCHS and not hf.get("use_sliding_window", False):
+        return None
+    first_full = hf.get("max_window_layers", 28)
+    if arch in _EVERY_LAYER_SLIDES:
+        slides = [True] * num_layers
+    elif hf.get("layer_types") is not None:
+        return list(hf["layer_types"]) if "sliding_attention" in hf["layer_types"] else None
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        slides = [i >= first_full for i in range(num_layers)]
+    elif arch == "Qwen2MoeForCausalLM":
+        slides = [i % 2 == 0 and i < first_full for i in range(num_layers)]
+    elif arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
+        slides = [i % 2 == 0 for i in range(num_layers)]
+    elif arch.startswith("Gemma3"):
+        slides = [(i + 1) % hf.get("sliding_window_pattern", 6) != 0 for i in range(num_layers)]
+    else:  # Llama and the rest: HF's model has no window
+        return None
+    return [LAYER_TYPES[s] for s in slides] if any(slides) else None
+
+
+def _checked_sliding_window(config: ModelConfig) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types), validated; (None, None) when no layer slides over less than
+    the whole context (max_position_embeddings): such a window never masks a key."""
+    window, types = config.sliding_window, config.layer_types
+    if types is None:
+        if window is not None:
+            raise ValueError(f"sliding_window={window} needs layer_types (which layers slide)")
+        return None, None
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(types)} entries; expected num_hidden_layers="
+                         f"{config.num_hidden_layers}")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+    if "sliding_attention" not in types:
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r} is invalid: sliding_attention layers need an int >= 1")
+    if window >= config.max_position_embeddings:
+        return None, None
+    if config.architecture not in SLIDING_WINDOW_ARCHITECTURES:
+        raise ValueError(f"sliding_window={window} is not supported for {config.architecture} "
+                         f"(sliding-window attention runs on {', '.join(SLIDING_WINDOW_ARCHITECTURES)})")
+    return window, list(types)
 
 
 @dataclass

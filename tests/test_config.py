@@ -1,12 +1,13 @@
 """EngineConfig: validation at construction, and `resolve`, the one place "auto" and the None
 defaults become the device, dtype, attention backend and limits every stage reads."""
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, ModelConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, ModelConfig, _layer_types
 
 
 def model_config(torch_dtype: str = "float32", max_position_embeddings: int = 4096) -> ModelConfig:
@@ -170,3 +171,81 @@ def test_phi3_sliding_window_inside_the_context_is_refused():
     with pytest.raises(ValueError, match="sliding_window=2047 is not supported"):
         ModelConfig.from_hf_dict(phi3)
     assert ModelConfig.from_hf_dict(dict(phi3, sliding_window=262144)).architecture == "Phi3ForCausalLM"
+
+
+# -- sliding window: which layers slide, in both config forms (engine.config._layer_types) --------
+
+S, F = "sliding_attention", "full_attention"
+
+
+def _arch(arch: str, **kw) -> dict:
+    return dict(_hf(**kw), architectures=[arch], num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("hf, window, layer_types", [
+    (_arch("MistralForCausalLM", sliding_window=512), 512, [S] * 4),
+    (_arch("MistralForCausalLM", sliding_window=None), None, None),
+    # HF's Mistral gives every layer the window, whatever layer_types says
+    (_arch("MistralForCausalLM", sliding_window=512, layer_types=[F] * 4), 512, [S] * 4),
+    (_arch("Qwen2ForCausalLM", sliding_window=512, max_window_layers=2), None, None),  # use_sliding_window off
+    (_arch("Qwen2ForCausalLM", sliding_window=512, use_sliding_window=True, max_window_layers=2), 512, [F, F, S, S]),
+    (_arch("Qwen2ForCausalLM", sliding_window=512, use_sliding_window=True, layer_types=[F, S, F, S]),
+     512, [F, S, F, S]),  # transformers 5's form
+    (_arch("Qwen2ForCausalLM", sliding_window=None, use_sliding_window=False, layer_types=[F] * 4), None, None),
+    (_arch("Qwen3ForCausalLM", sliding_window=512, use_sliding_window=True, max_window_layers=3), 512, [F, F, F, S]),
+    (_arch("Qwen2ForCausalLM", sliding_window=512, use_sliding_window=True, max_window_layers=4), None, None),
+    # a window covering the whole context (max_position_embeddings 4096) masks nothing
+    (_arch("MistralForCausalLM", sliding_window=4096), None, None),
+    (_arch("LlamaForCausalLM", sliding_window=512), None, None),  # HF's Llama has no window
+])
+def test_sliding_window_in_both_config_forms(hf, window, layer_types):
+    config = ModelConfig.from_hf_dict(hf)
+    assert (config.sliding_window, config.layer_types) == (window, layer_types)
+    assert [config.layer_sliding_window(i) for i in range(4)] == [
+        window if t == S else None for t in (layer_types or [F] * 4)]
+
+
+@pytest.mark.parametrize("arch, kw, expected", [
+    ("Gemma2ForCausalLM", {}, [S, F, S, F, S, F]),                       # even layers slide
+    ("Gemma3ForCausalLM", {}, [S, S, S, S, S, F]),                       # sliding_window_pattern 6
+    ("Gemma3ForCausalLM", dict(sliding_window_pattern=2), [S, F, S, F, S, F]),
+    ("Gemma3ForCausalLM", dict(layer_types=[F, S, S, F, S, S]), [F, S, S, F, S, S]),
+    ("GptOssForCausalLM", {}, [S, F, S, F, S, F]),
+    ("Qwen2MoeForCausalLM", dict(use_sliding_window=True, max_window_layers=3), [S, F, S, F, F, F]),
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True), [S] * 6),
+    ("Qwen3MoeForCausalLM", {}, None),
+    ("MixtralForCausalLM", {}, [S] * 6),
+    ("Phi3ForCausalLM", {}, [S] * 6),
+])
+def test_layer_types_of_each_family(arch, kw, expected):
+    """As HF's config classes build layer_types from the older keys (checked against them)."""
+    assert _layer_types(dict(sliding_window=128, **kw), arch, 6) == expected
+
+
+def test_layer_types_equal_transformers_config_classes():
+    import transformers
+
+    for cls, kw in (("Qwen2Config", dict(use_sliding_window=True, max_window_layers=2)),
+                    ("Gemma2Config", {}), ("Gemma3TextConfig", dict(sliding_window_pattern=3))):
+        hf = getattr(transformers, cls)(num_hidden_layers=6, sliding_window=64, **kw)
+        arch = {"Qwen2Config": "Qwen2ForCausalLM", "Gemma2Config": "Gemma2ForCausalLM"}.get(cls, "Gemma3ForCausalLM")
+        assert _layer_types(dict(sliding_window=64, **kw), arch, 6) == hf.layer_types, cls
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(sliding_window=16, layer_types=[S]), "layer_types has 1 entries; expected num_hidden_layers=2"),
+    (dict(sliding_window=16, layer_types=[S, "chunked_attention"]),
+     r"layer_types \['chunked_attention'\] are not supported"),
+    (dict(sliding_window=0, layer_types=[S, F]), "sliding_window=0 is invalid"),
+    (dict(sliding_window=None, layer_types=[S, F]), "sliding_window=None is invalid"),
+    (dict(sliding_window=16), "sliding_window=16 needs layer_types"),
+])
+def test_bad_sliding_window_fails_at_start_naming_it(kw, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(model_config(), **kw)
+
+
+def test_sliding_window_on_an_architecture_without_it_is_refused():
+    with pytest.raises(ValueError, match="sliding_window=512 is not supported for MixtralForCausalLM"):
+        ModelConfig.from_hf_dict(_arch("MixtralForCausalLM", sliding_window=512, num_local_experts=4,
+                                       num_experts_per_tok=2))

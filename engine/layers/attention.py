@@ -5,6 +5,10 @@ Head counts are per TP rank. The model runner assigns `k_cache` / `v_cache`
 dtype) to every `Attention` module; until then they are empty tensors. It also
 sets the backend (`set_backend`, from the resolved EngineConfig), so model
 constructors never carry it.
+
+Per layer, a sliding window (Mistral, Qwen2's upper layers, Gemma's local
+layers), a logit soft cap (Gemma 2) and attention sinks (gpt-oss) go to the
+kernels as they are; kernels/reference.py states what each means.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.config import ATTENTION_BACKENDS
+from engine.executor.parallel_state import get_tp_rank, get_tp_size
 from engine.worker.forward_context import get_forward_context
 
 
@@ -32,12 +37,32 @@ def _load_backend(backend: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    """num_heads, num_kv_heads: this TP rank's.
+
+    sliding_window: a query at position p attends keys p - sliding_window + 1 .. p only
+    logits_soft_cap: scaled scores become cap * tanh(scores / cap)
+    sinks: own a `sinks` parameter [num_heads], a learned logit per head that joins the
+        softmax's denominator with no value (loaded from the checkpoint's full [total heads])
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 sinks: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} is invalid: must be >= 1 or None")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} is invalid: must be > 0 or None")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        else:
+            self.register_parameter("sinks", None)
         self.backend: str | None = None  # set_backend() names it before the first forward
         # Plain attributes, not buffers: the runner owns the cache memory and the
         # model's state_dict / .to() must not copy it.
@@ -53,6 +78,15 @@ class Attention(nn.Module):
         """
         self._store_kv, self._paged_attention, self._cpu_path = _load_backend(backend)
         self.backend = backend
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """The checkpoint's [total heads] sinks -> this rank's heads (query heads are split
+        across ranks in order, as QKVParallelLinear splits them)."""
+        n = param.shape[0]
+        if tuple(loaded_weight.shape) != (n * get_tp_size(),):
+            raise ValueError(f"checkpoint sinks have shape {tuple(loaded_weight.shape)}, expected "
+                             f"({n * get_tp_size()},): one per query head")
+        param.data.copy_(loaded_weight.narrow(0, get_tp_rank() * n, n))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, num_heads * head_dim], k/v [n, num_kv_heads * head_dim] (views are fine)
@@ -74,6 +108,12 @@ class Attention(nn.Module):
         extra = {}
         if self._cpu_path:
             extra = dict(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu, key=k, value=v)
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.logits_soft_cap is not None:
+            extra["logits_soft_cap"] = self.logits_soft_cap
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
         o = self._paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens,
                                   md.cu_seqlens_q, md.max_seqlen_q, self.scale, **extra)
         return o.view(n, self.num_heads * self.head_dim)  # [n, num_heads, head_dim] flattened

@@ -11,7 +11,7 @@ import importlib
 
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # same graph; sliding window is refused by ModelConfig
+    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # same graph, with its sliding window (layer_types)
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",    # q/k/v bias and tied embeddings come from ModelConfig
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",

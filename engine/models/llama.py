@@ -1,5 +1,7 @@
 """Llama family: Llama, Mistral (same graph), Qwen2 (q/k/v bias, often tied embeddings)
-and, via `config.qk_norm`, Qwen3's per-head q/k RMSNorm. One code path, driven by ModelConfig.
+and, via `config.qk_norm`, Qwen3's per-head q/k RMSNorm. One code path, driven by ModelConfig,
+which also says which layers attend through a sliding window (Mistral's every layer, Qwen2's
+from max_window_layers on).
 
 Module names mirror HF's so checkpoint names map one-to-one, except the fused
 projections listed in `packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
@@ -19,7 +21,7 @@ from engine.layers.rotary import RotaryEmbedding, get_rope
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, sliding_window: int | None = None):
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -33,7 +35,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.rotary_emb = rotary_emb  # shared by all layers
-        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         n = hidden_states.shape[0]
@@ -63,9 +66,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = LlamaAttention(config, rotary_emb, sliding_window)  # Mistral, Qwen2's upper layers
         self.mlp = LlamaMLP(config) if mlp is None else mlp  # mlp: a mixture-of-experts block (engine/models/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -90,7 +94,8 @@ class LlamaModel(nn.Module):
         # One cos/sin table for all layers ([max_position, head_dim] float32: 64 MiB for
         # Llama 3.1's 131072 positions, which a per-layer copy would multiply by 32).
         rotary_emb = get_rope(config)  # rope_scaling, partial_rotary_factor
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, make_mlp and make_mlp(i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, make_mlp and make_mlp(i),
+                                                      config.layer_sliding_window(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
