@@ -1,8 +1,10 @@
-"""Kernel micro-benchmark: Triton paged attention / store_kv against the torch path.
+"""Kernel micro-benchmark: Triton paged attention / store_kv / fused MoE against the torch path.
 
     python -m loadtest.kernel_bench [--out bench_out/kernel_bench.json] [--dtype bf16]
                                     [--heads 32] [--kv-heads 8] [--head-dim 128]
                                     [--block-size 16] [--sweep [KNOB ...]]
+                                    [--moe-experts 128] [--moe-top-k 8] [--moe-hidden 2048]
+                                    [--moe-inter 768]
 
 Cases: decode 64 x ctx 1024, prefill 4 x 512, a mixed batch, long-context
 small-batch decodes (4 x 8192, 2 x 16384), and store_kv for both batch shapes.
@@ -13,6 +15,12 @@ torch path come from one run. Times are medians of triton.testing.do_bench
 (CUDA events). Achieved GB/s counts the bytes each kernel must move at minimum
 (every context K/V byte read once, Q read, O written); the reference line is a
 device-to-device copy's GB/s (read + write).
+
+Fused MoE (kernels/triton_fused_moe.py) runs one layer's experts at decode batch sizes
+1, 16, 64 and 256 against the sorted per-expert torch path (kernels/torch_fused_moe.py),
+Qwen3-30B-A3B's expert shape by default (128 experts, top-8, hidden 2048, expert
+width 768), softmax top-k routing of random logits. Its bytes are the weights of the
+experts the batch reaches, read once, plus the activations in and out.
 
 --sweep re-times the attention cases varying one launch knob at a time around
 the defaults (kernels/triton_attention.py: TILE_CAP, NUM_STAGES, NUM_WARPS,
@@ -154,6 +162,28 @@ ATTENTION_CASES = {
 }
 FORCED_SPLITS = 4  # a decode case the heuristic leaves unsplit is also timed split this way
 STORE_CASES = {"store_kv 64 tok": 64, "store_kv 2048 tok": 2048}
+MOE_BATCHES = (1, 16, 64, 256)  # decode: one token per sequence
+
+
+def run_moe_case(num_tokens, args, dtype, seed=0):
+    """One MoE layer at `num_tokens` rows: the Triton kernel against the torch path."""
+    from kernels.torch_fused_moe import fused_moe_torch
+    from kernels.triton_fused_moe import fused_moe
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i, k = args.moe_experts, args.moe_hidden, args.moe_inter, args.moe_top_k
+    x = torch.randn(num_tokens, h, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(DEVICE, dtype)  # [E, 2I, H]
+    w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(DEVICE, dtype)  # [E, H, I]
+    weights, ids = torch.randn(num_tokens, e, generator=gen).softmax(-1).topk(k, dim=-1)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    experts_reached = ids.unique().numel()
+    nbytes = (experts_reached * 3 * h * i + 2 * num_tokens * h) * x.element_size()
+    t_ms = bench_ms(lambda: fused_moe(x, w13, w2, weights, ids))
+    torch_ms = bench_ms(lambda: fused_moe_torch(x, w13, w2, weights, ids))
+    diff = (fused_moe(x, w13, w2, weights, ids).float() - fused_moe_torch(x, w13, w2, weights, ids).float())
+    return dict(case=f"moe decode {num_tokens}", kernel="fused_moe", triton_ms=t_ms, torch_ms=torch_ms,
+                speedup=torch_ms / t_ms, bytes=nbytes, gbps=nbytes / t_ms / 1e6,
+                experts_reached=experts_reached, max_abs_diff_vs_torch=diff.abs().max().item())
 
 
 # knob -> (module, values); one knob varies at a time, the others stay at their defaults.
@@ -228,6 +258,10 @@ def parse_args(argv):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--moe-experts", type=int, default=128)
+    p.add_argument("--moe-top-k", type=int, default=8)
+    p.add_argument("--moe-hidden", type=int, default=2048)
+    p.add_argument("--moe-inter", type=int, default=768, help="each expert's intermediate size (one TP rank's)")
     p.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_KNOBS), metavar="KNOB",
                    help="also time launch-knob variants (all knobs, or those named: "
                         + ", ".join(SWEEP_KNOBS) + ")")
@@ -243,6 +277,7 @@ def main(argv=None) -> int:
     copy_rate = copy_gbps()
     rows = [run_attention_case(name, q, s, args, dtype) for name, (q, s) in ATTENTION_CASES.items()]
     rows += [run_store_case(name, n, args, dtype) for name, n in STORE_CASES.items()]
+    rows += [run_moe_case(n, args, dtype) for n in MOE_BATCHES]
     print(f"{torch.cuda.get_device_name()}  {args.dtype}  heads {args.heads}/{args.kv_heads}  "
           f"head_dim {args.head_dim}  block {args.block_size}  copy {copy_rate:.0f} GB/s")
     print(format_rows(rows, copy_rate))

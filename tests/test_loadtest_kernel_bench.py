@@ -58,6 +58,16 @@ def test_sweep_restores_knobs_and_records_failures(monkeypatch):
     assert all("KV_TILE" in r["error"] for r in bad) and ta.KV_TILE is None
 
 
+def test_moe_rows_compare_the_kernel_with_the_torch_path(monkeypatch):
+    fake_timer(monkeypatch)
+    tiny = argparse.Namespace(moe_experts=8, moe_top_k=2, moe_hidden=32, moe_inter=16)
+    rows = [kb.run_moe_case(n, tiny, torch.float32) for n in (1, 16)]
+    assert [r["case"] for r in rows] == ["moe decode 1", "moe decode 16"]
+    assert rows[0]["experts_reached"] == 2 and rows[1]["experts_reached"] <= 8
+    assert all(r["max_abs_diff_vs_torch"] < 1e-4 and r["speedup"] > 0 for r in rows)
+    assert "moe decode 16" in kb.format_rows(rows, copy_rate=1.0)
+
+
 def test_main_without_cuda_exits_cleanly(capsys):
     if torch.cuda.is_available():
         return
