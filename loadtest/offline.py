@@ -2,6 +2,7 @@
 
     python -m loadtest.offline [--num-requests 64] [--seed 0] [--skip-hf] [--quick]
     python -m loadtest.offline --model models/smollm2-135m-instruct    # a real checkpoint (HF dir or GGUF)
+    python -m loadtest.offline --arch qwen3_moe      # the bench shape as another architecture (MoE: 8 experts, top-2)
 
 docs/benchmarks.md "CPU, offline throughput": 64 requests, prompts of random ids with
 length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
@@ -38,12 +39,12 @@ def progress(message: str) -> None:
     print(f"[loadtest.offline] {message}", file=sys.stderr, flush=True)
 
 
-def ensure_bench_model(cache_dir: Path) -> Path:
+def ensure_bench_model(cache_dir: Path, arch: str = "llama") -> Path:
     """The bench checkpoint, built once into `cache_dir` (a config.json marks it complete)."""
     if not (cache_dir / "config.json").is_file():
         from engine.tools.tiny_model import make_tiny_model
 
-        make_tiny_model(cache_dir, arch="llama", preset="bench", seed=0)
+        make_tiny_model(cache_dir, arch=arch, preset="bench", seed=0)
     return cache_dir
 
 
@@ -139,12 +140,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", default=None,
                     help="a checkpoint to run instead of the bench model: HF directory, hub id in the cache, "
                          ".gguf file or a directory holding one (engine and HF both run it in float32)")
-    ap.add_argument("--model-dir", type=Path, default=Path("bench_out/model-bench"),
-                    help="where the bench model is built when --model is not given")
+    ap.add_argument("--arch", default="llama",
+                    help="architecture of the bench model (engine.tools.tiny_model's --arch, e.g. qwen3_moe)")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="where the bench model is built when --model is not given "
+                         "(default bench_out/model-bench, or model-bench-ARCH for another --arch)")
     ap.add_argument("--out", type=Path, default=Path("bench_out/offline.json"))
     args = ap.parse_args(argv)
     if args.num_requests < 1 or args.threads < 1:
         ap.error(f"--num-requests={args.num_requests} and --threads={args.threads} must be >= 1")
+    if args.model_dir is None:
+        args.model_dir = Path("bench_out/model-bench" + ("" if args.arch == "llama" else f"-{args.arch}"))
     if args.quick:
         args.num_requests = min(args.num_requests, 8)
     args.prompt_len = QUICK_PROMPT_LEN if args.quick else PROMPT_LEN
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         model_path = resolve_model_path(args.model)  # a GGUF: its HF view, which both sides load
     else:
-        model_path = ensure_bench_model(args.model_dir)
+        model_path = ensure_bench_model(args.model_dir, args.arch)
     config = json.loads((model_path / "config.json").read_text())
     shape = ModelShape.from_hf_config(config, bytes_per_param=4)
     requests = make_offline_workload(args.num_requests, args.seed, config["vocab_size"],

@@ -3,6 +3,7 @@ OpenAI-compatible server on 127.0.0.1, and the offline CPU benchmark end to end.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -292,6 +293,14 @@ def test_offline_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert saved["correctness"]["num_mismatched"] == 0  # our greedy tokens equal HF's
     assert saved["peers"] == {} and saved["git_commit"] and saved["date"]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("torch threads")
+
+
+def test_offline_arch_flag_builds_its_own_bench_model_dir():
+    from loadtest.offline import parse_args
+
+    assert parse_args([]).model_dir == Path("bench_out/model-bench")
+    assert parse_args(["--arch", "qwen3_moe"]).model_dir == Path("bench_out/model-bench-qwen3_moe")
+    assert parse_args(["--arch", "qwen3_moe", "--model-dir", "x"]).model_dir == Path("x")
 
 
 def test_step_profile_union_of_kernel_intervals():

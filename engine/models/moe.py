@@ -57,14 +57,13 @@ class MoEConfig:
         return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
 
 
-def hf_value(hf: dict[str, Any], *keys: str, default: Any = KeyError) -> Any:
-    """The first of `keys` present in config.json (hub and transformers 5 spell some differently)."""
+def hf_value(hf: dict[str, Any], *keys: str) -> Any:
+    """The first of `keys` set in config.json (hub and transformers 5 spell some differently);
+    ValueError naming them when none is."""
     for key in keys:
         if hf.get(key) is not None:
             return hf[key]
-    if default is KeyError:
-        raise ValueError(f"config.json lacks {' / '.join(keys)}, which a {hf.get('architectures')} MoE model needs")
-    return default
+    raise ValueError(f"config.json lacks {' / '.join(keys)}, which a {hf.get('architectures')} MoE model needs")
 
 
 def qwen_moe_config(hf: dict[str, Any], shared_expert_intermediate_size: int = 0) -> MoEConfig:
