@@ -208,7 +208,7 @@ def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The architectures whose model passes each layer's window to its attention (the Llama graph,
 # engine/models/llama.py); any other with a sliding layer is refused by name.
-SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 # Those that slide only with use_sliding_window (default off), and those whose HF model gives
 # every layer the window whatever layer_types says.
 _QWEN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

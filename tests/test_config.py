@@ -164,13 +164,12 @@ def test_bad_rope_fails_at_start_naming_it(hf, message):
 
 
 
-def test_phi3_sliding_window_inside_the_context_is_refused():
-    """Phi-3-mini-4k's 2047-token window: refused until sliding-window attention exists (the 128k
-    checkpoints' 262144 covers their context and loads)."""
+def test_phi3_sliding_window_on_every_layer_inside_the_context():
+    """Phi-3-mini-4k's 2047-token window slides on every layer; the 128k checkpoints' 262144
+    covers their whole context, so none does."""
     phi3 = dict(_hf(sliding_window=2047), architectures=["Phi3ForCausalLM"])
-    with pytest.raises(ValueError, match="sliding_window=2047 is not supported"):
-        ModelConfig.from_hf_dict(phi3)
-    assert ModelConfig.from_hf_dict(dict(phi3, sliding_window=262144)).architecture == "Phi3ForCausalLM"
+    assert [ModelConfig.from_hf_dict(phi3).layer_sliding_window(i) for i in range(2)] == [2047, 2047]
+    assert ModelConfig.from_hf_dict(dict(phi3, sliding_window=262144)).layer_types is None
 
 
 # -- sliding window: which layers slide, in both config forms (engine.config._layer_types) --------

@@ -1,7 +1,8 @@
 """Phi-3 (engine/models/phi3.py) against HF transformers, token for token, under every scheduling
 regime: a tiny checkpoint with LongRoPE over an original context of 256 and partial rotary (3/4
 of each head), prompts inside the original context and generations that cross into the long factors.
-TP=2 against TP=1 is a case of tests/test_tensor_parallel.py."""
+Phi-3-mini-4k's sliding window on the same model; TP=2 against TP=1 is a case of
+tests/test_tensor_parallel.py."""
 import pytest
 import torch
 
@@ -55,3 +56,16 @@ def test_fused_checkpoint_tensors_split_into_their_parts():
     gate_up = MergedColumnParallelLinear(8, [6, 6])
     with pytest.raises(ValueError, match=r"expected 6 \+ 6 \(0, 1\)"):
         gate_up.weight_loader(gate_up.weight, torch.zeros(10, 8))
+
+
+def test_sliding_window_equals_hf(tmp_path):
+    """Phi-3-mini-4k's sliding window (every layer) on the tiny model: a 48-token window, prompts
+    several windows long, greedy tokens equal HF's, with chunked prefill."""
+    path = str(make_tiny_model(tmp_path, arch="phi3", sliding_window=48))
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    assert [llm.llm_engine.model_config.layer_sliding_window(i) for i in range(2)] == [48, 48]
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size, [30, 160, 250])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert_matches(out.outputs[0].token_ids, hf_greedy(path, p, MAX_TOKENS), f"prompt of {len(p)}")

@@ -6,8 +6,8 @@
 - LongRoPE (`rope_scaling` "longrope", or "su" in early configs) and `partial_rotary_factor`
   (Phi-4-mini rotates 3/4 of each head), both in the shared rotary layer (engine/layers/rotary.py).
 
-Phi-3's sliding window (2047 in the 4k checkpoints) is refused by ModelConfig while sliding-window
-attention is not implemented; the 128k checkpoints' window covers their whole context.
+Phi-3's sliding window (2047 in the 4k checkpoints) slides on every layer, as Mistral's does
+(ModelConfig.layer_types); the 128k checkpoints' window covers their whole context.
 """
 from __future__ import annotations
 
