@@ -162,6 +162,10 @@ def _build_config(arch: str, preset: dict, tok_len: int, ids: dict, overrides: d
         kw.update(TINY_ARCH_TWEAKS.get(arch, {}))
     kw.setdefault("vocab_size", cdiv(tok_len, 64) * 64)  # pad to a multiple of 64
     kw.update(ids, **overrides)
+    if arch in ("qwen2", "qwen3") and overrides.get("sliding_window") is not None:
+        # A window asked of a Qwen checkpoint is turned on, for the upper half of the layers.
+        kw["use_sliding_window"] = overrides.get("use_sliding_window", True)
+        kw["max_window_layers"] = overrides.get("max_window_layers", kw["num_hidden_layers"] // 2)
     if kw["vocab_size"] < tok_len:
         raise ValueError(f"vocab_size {kw['vocab_size']} < tokenizer size {tok_len}")
     if arch in ("qwen2_moe", "qwen3_moe"):  # Mixtral's experts are intermediate_size wide
@@ -289,7 +293,9 @@ def make_tiny_model(out_dir, arch=None, preset="tiny", seed=0, max_shard_size=No
 
     arch defaults to "llama" (or the preset's own arch for shape presets).
     chat_template replaces the arch's template; added_tokens become single, non-special tokens.
-    config_overrides are applied to the HF config (e.g. num_hidden_layers=1).
+    config_overrides are applied to the HF config (e.g. num_hidden_layers=1). sliding_window=N
+    gives mistral a window on every layer; qwen2 / qwen3 one from layer num_hidden_layers // 2
+    on (use_sliding_window and max_window_layers, unless given too).
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
