@@ -107,6 +107,18 @@ def test_greedy_equals_hf(tiny_moe, arch, regime):
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the tiny cache should have forced preemption"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_greedy_equals_hf(tiny_moe, arch, regime):
+    """The Triton fused-MoE kernel inside the engine (decode in CUDA graphs), fp32 against HF."""
+    path = tiny_moe(arch)
+    llm = LLM(path, dtype="float32", device="cuda", **REGIMES[regime])
+    assert llm.llm_engine.executor.runner.graph_runner is not None
+    _check_against_hf(path, llm, _prompts(llm.llm_engine.model_config.vocab_size, PROMPT_LENS), MAX_TOKENS)
+
+
 def test_routing_spreads_tokens_and_layers_follow_the_config(tiny_moe):
     model = load_our_model(tiny_moe("qwen2_moe"))
     mlps = [type(layer.mlp).__name__ for layer in model.model.layers]
