@@ -17,13 +17,31 @@ for 1200 rows of 64 on the 2-core box). With K = 2 the sum equals HF transformer
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
 
 
-def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation on [gate | up]: the gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, 2 * d] laid out [gate | up] -> [n, d], in x's dtype."""
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, b13=None, b2=None) -> None:
     """ValueError naming the argument whose shape or dtype does not fit the others."""
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [num_tokens, hidden], got shape {tuple(hidden_states.shape)}")
@@ -45,6 +63,9 @@ def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids has dtype {topk_ids.dtype}; expected int32 or int64")
+    for name, bias, shape in (("b13", b13, (num_experts, two_inter)), ("b2", b2, (num_experts, hidden))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != hidden_states.dtype):
+            raise ValueError(f"{name} {tuple(bias.shape)} {bias.dtype} is not {shape} {hidden_states.dtype}")
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -57,16 +78,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_linear=None) -> torch.Tensor:
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_linear=None,
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Each token through its top_k experts, summed with the routing weights.
 
     hidden_states: [T, H]; w13: [E, 2 * I, H] (gate rows, then up rows); w2: [E, H, I]
     topk_weights: [T, K] (any float dtype; applied in hidden_states' dtype); topk_ids: [T, K]
     expert_linear(x, expert, proj) -> x @ W^T of w13[expert] (proj 0) or w2[expert] (proj 1) by
     the caller's own means (weights packed for oneDNN); None: F.linear on the slices.
+    b13: [E, 2 * I], b2: [E, H] per-expert biases or None; activation: None for SiLU-and-mul.
     Returns [T, H] in hidden_states' dtype.
     """
-    check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, b13, b2)
+    act_fn = silu_and_mul if activation is None else activation
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # [T*K] flat (token * K + k) rows, grouped by expert
@@ -80,10 +105,18 @@ def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Te
             continue
         rows = slice(start, start + n)
         if expert_linear is None:
-            act = silu_and_mul(F.linear(x[rows], w13[expert]))  # [n, I]
-            torch.mm(act, w2[expert].t(), out=y[rows])
+            act = act_fn(F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]))  # [n, I]
+            if b2 is None:
+                torch.mm(act, w2[expert].t(), out=y[rows])
+            else:
+                torch.addmm(b2[expert], act, w2[expert].t(), out=y[rows])
         else:
-            y[rows] = expert_linear(silu_and_mul(expert_linear(x[rows], expert, 0)), expert, 1)
+            h = expert_linear(x[rows], expert, 0)
+            if b13 is not None:
+                h += b13[expert]
+            y[rows] = expert_linear(act_fn(h), expert, 1)
+            if b2 is not None:
+                y[rows] += b2[expert]
         start += n
     y.mul_(topk_weights.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(1))
     unsort = torch.empty_like(order)

@@ -15,6 +15,9 @@ intermediate dim, gathers the rows' hidden states (row // K), multiplies by the 
 expert's gate and up rows of w13 in one K-loop (two accumulators) and writes
 silu(gate) * up to act [T*K, I]. GEMM 2: act rows times the expert's w2, scaled by the
 row's routing weight, into y [T*K, H]. The K rows of each token are then summed in torch.
+With per-expert biases (gpt-oss) each GEMM adds its expert's bias row to the accumulator
+before the activation / the routing weight, and `ClampedSwiGLU` may replace SiLU-and-mul;
+both are constexpr switches, so the plain SiLU kernel compiles as before.
 
 Everything is sync-free and shape-static for a given T (the tile count is the worst
 case; tiles past num_tokens_post_padded exit at once), so it runs inside CUDA graphs.
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.torch_fused_moe import check_fused_moe
+from kernels.torch_fused_moe import ClampedSwiGLU, check_fused_moe
 
 
 @triton.jit(do_not_specialize=["num_valid_rows"])
@@ -38,10 +41,14 @@ def _fused_moe_kernel(
     sorted_ids_ptr,   # [num_tiles * BLOCK_M] flat rows grouped by expert; >= num_valid_rows is padding
     expert_ids_ptr,   # [num_tiles] the expert of each tile of sorted_ids
     num_post_pad_ptr,  # [1] rows of sorted_ids in use (a multiple of BLOCK_M)
+    bias_ptr,         # [E, *]: b13 [E, 2*I] (GEMM 1) or b2 [E, H] (GEMM 2); read when HAS_BIAS
     N, K_DIM, num_valid_rows,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bias_e,
+    swiglu_alpha, swiglu_limit,  # CLAMPED_SWIGLU's constants
     A_ROW_DIV: tl.constexpr,   # flat row -> row of a: top_k for GEMM 1 (a is per token), 1 for GEMM 2
     GATED: tl.constexpr,       # b holds gate rows [0, N) and up rows [N, 2N): write silu(gate) * up
+    CLAMPED_SWIGLU: tl.constexpr,  # GATED with gpt-oss's (up + 1) * g * sigmoid(alpha * g), both clamped
+    HAS_BIAS: tl.constexpr,    # add the expert's bias row (gate and up halves when GATED)
     MUL_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     IEEE_DOT: tl.constexpr,    # fp32 inputs: exact fp32 products, not TF32
     UPCAST: tl.constexpr,      # run the dots in fp32 (the interpreter lacks a bf16 dot)
@@ -95,7 +102,16 @@ def _fused_moe_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if GATED:
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(acc, swiglu_limit)
+        up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+        acc = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+    elif GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -161,27 +177,35 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dt
 
 
 def _launch(a, b, c, weights, sorted_ids, expert_ids, num_post_pad, n, k_dim, a_row_div, gated,
-            config) -> None:
+            config, bias=None, activation: ClampedSwiGLU | None = None) -> None:
     meta = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
     num_tiles = expert_ids.shape[0]
     grid = (num_tiles * triton.cdiv(n, config["BLOCK_N"]),)
+    clamped = gated and activation is not None
     _fused_moe_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_post_pad, n, k_dim, c.shape[0],
+        a, b, c, weights, sorted_ids, expert_ids, num_post_pad, b if bias is None else bias,
+        n, k_dim, c.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, IEEE_DOT=a.dtype == torch.float32,
+        0 if bias is None else bias.stride(0),
+        activation.alpha if clamped else 0.0, activation.limit if clamped else 0.0,
+        A_ROW_DIV=a_row_div, GATED=gated, CLAMPED_SWIGLU=clamped, HAS_BIAS=bias is not None,
+        MUL_WEIGHT=not gated, IEEE_DOT=a.dtype == torch.float32,
         UPCAST=_interpreted() and a.dtype == torch.bfloat16,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **meta)
 
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: dict | None = None,
+              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Each token through its top_k experts, summed with the routing weights (Triton).
 
     hidden_states: [T, H]; w13: [E, 2 * I, H] (gate rows, then up rows); w2: [E, H, I]
     topk_weights: [T, K]; topk_ids: [T, K]. config: tile sizes (default: choose_config).
+    b13 [E, 2 * I], b2 [E, H]: per-expert biases or None; activation: None for SiLU-and-mul.
     Returns [T, H] in hidden_states' dtype.
     """
-    check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, b13, b2)
     if hidden_states.device.type != "cuda" and not _interpreted():
         raise ValueError(f"Triton fused_moe needs CUDA tensors, got device {hidden_states.device} "
                          "(set TRITON_INTERPRET=1 before importing triton to run it on CPU, or use "
@@ -197,18 +221,28 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = hidden_states.new_empty(num_tokens * top_k, inter)  # [T*K, I]
     y = hidden_states.new_empty(num_tokens * top_k, hidden)  # [T*K, H], weighted
     _launch(hidden_states, w13, act, weights, sorted_ids, expert_ids, num_post_pad, inter, hidden,
-            top_k, True, config)
-    _launch(act, w2, y, weights, sorted_ids, expert_ids, num_post_pad, hidden, inter, 1, False, config)
+            top_k, True, config, b13, activation)
+    _launch(act, w2, y, weights, sorted_ids, expert_ids, num_post_pad, hidden, inter, 1, False, config, b2)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Dense oracle (tests only): every expert on every token in float64, then the routing
     weights as a [T, E] matrix that is zero outside each token's top_k."""
     x = hidden_states.double()
-    gate, up = torch.einsum("th,eih->eti", x, w13.double()).chunk(2, dim=-1)  # [E, T, I] each
-    expert_out = torch.einsum("eti,ehi->eth", torch.nn.functional.silu(gate) * up, w2.double())  # [E, T, H]
+    gate_up = torch.einsum("th,eih->eti", x, w13.double())  # [E, T, 2I]
+    if b13 is not None:
+        gate_up = gate_up + b13.double()[:, None, :]
+    if activation is None:
+        gate, up = gate_up.chunk(2, dim=-1)  # [E, T, I] each
+        act = torch.nn.functional.silu(gate) * up
+    else:
+        act = activation(gate_up)
+    expert_out = torch.einsum("eti,ehi->eth", act, w2.double())  # [E, T, H]
+    if b2 is not None:
+        expert_out = expert_out + b2.double()[:, None, :]
     dense = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float64, device=x.device)
     dense.scatter_(1, topk_ids.long(), topk_weights.double())  # [T, E]
     return torch.einsum("te,eth->th", dense, expert_out).to(hidden_states.dtype)

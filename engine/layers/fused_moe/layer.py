@@ -4,6 +4,7 @@ Parameters, named as transformers 5 names them (its fused checkpoints load as th
 
     gate_up_proj [E, 2 * I / tp, H]   expert e: [ gate rows of rank r | up rows of rank r ]
     down_proj    [E, H, I / tp]       expert e: the columns of rank r
+    gate_up_proj_bias [E, 2 * I / tp], down_proj_bias [E, H]   with has_bias (gpt-oss)
 
 Tensor parallelism shards every expert's intermediate dim I exactly as
 MergedColumnParallelLinear / RowParallelLinear shard a dense MLP's, so each rank
@@ -13,7 +14,12 @@ computes a partial sum of the layer's output, all-reduced at the end of `forward
 Checkpoints name experts one by one (`...experts.{e}.gate_proj.weight`, Mixtral's
 `w1`/`w3`/`w2`); the loader maps each to its stacked parameter with shard id
 (e, 0 | 1) for gate / up and (e, None) for down, and a fused tensor (all experts at
-once, transformers 5's layout) comes with shard id None.
+once, transformers 5's layout) comes with shard id None. A fused gate_up whose gate and up
+rows alternate (gpt-oss: g0 u0 g1 u1 ...; `gate_up_interleaved`) is split into the stacked
+[gate | up] form as it loads, so the kernels see one layout.
+
+The down bias is added on TP rank 0 only (the all-reduce would sum it tp_size times), as
+RowParallelLinear adds its bias.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from engine.executor.parallel_state import get_tp_rank, get_tp_size, tensor_mode
 from engine.layers.cpu_gemm import can_pack, pack, packed_linear
 from engine.layers.fused_moe.routing import select_experts
 from engine.layers.linear import copy_weight, divide
-from kernels.torch_fused_moe import fused_moe_torch
+from kernels.torch_fused_moe import ClampedSwiGLU, fused_moe_torch
 
 
 def _check_shape(loaded: torch.Tensor, expected: list[int]) -> None:
@@ -38,7 +44,9 @@ class FusedMoE(nn.Module):
     experts (gated SiLU MLPs), summed with the routing weights, then over the TP ranks."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, softmax_first: bool = True):
+                 renormalize: bool, softmax_first: bool = True, has_bias: bool = False,
+                 activation: ClampedSwiGLU | None = None, gate_up_interleaved: bool = False):
+        """activation: None for SiLU-and-mul; has_bias: each expert's projections have a bias."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} is invalid for num_experts={num_experts}")
@@ -51,6 +59,15 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
+        self.activation, self.gate_up_interleaved = activation, gate_up_interleaved
+        if has_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+            self.gate_up_proj_bias.weight_loader = self.bias_loader
+            self.down_proj_bias.weight_loader = self.bias_loader
+        else:
+            self.register_parameter("gate_up_proj_bias", None)
+            self.register_parameter("down_proj_bias", None)
         # CPU fp32: each expert's two weights packed for oneDNN once loaded (engine.layers.cpu_gemm:
         # F.linear would repack them on every call, most of the time at decode-sized slices).
         # The dense stacks stay, for state_dict and a later move to CUDA: twice the experts' memory.
@@ -68,9 +85,7 @@ class FusedMoE(nn.Module):
             if is_down:
                 copy_weight(param.data, loaded_weight.narrow(2, rank * inter, inter))
                 return
-            for part in (0, 1):  # [gate | up] of every rank -> this rank's [gate | up]
-                copy_weight(param.data.narrow(1, part * inter, inter),
-                            loaded_weight.narrow(1, (part * self.tp_size + rank) * inter, inter))
+            self._load_gate_up(param, loaded_weight)
             return
         expert, part = shard_id
         if not 0 <= expert < self.num_experts:
@@ -85,6 +100,27 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"shard_id={shard_id!r} is invalid for gate_up_proj: expected (expert, 0 or 1)")
 
+    def _load_gate_up(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """Every expert's [E, 2 * I, ...] gate and up (stacked, or interleaved) -> this rank's
+        [gate | up] rows: strided views, no copy of the full tensor."""
+        inter = self.intermediate_size_per_partition
+        for part in (0, 1):
+            if self.gate_up_interleaved:
+                rows = full[:, part::2]  # [E, I, ...]
+            else:
+                rows = full.narrow(1, part * inter * self.tp_size, inter * self.tp_size)
+            copy_weight(param.data.narrow(1, part * inter, inter), rows.narrow(1, self.tp_rank * inter, inter))
+
+    def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """Every expert's bias at once: [E, 2 * I] for gate_up (sharded as its rows), [E, H] for down."""
+        if shard_id is not None:
+            raise ValueError(f"per-expert bias shards are not supported (shard_id={shard_id!r})")
+        if param is self.down_proj_bias:
+            copy_weight(param.data, loaded_weight)
+            return
+        _check_shape(loaded_weight, [self.num_experts, param.shape[1] * self.tp_size])
+        self._load_gate_up(param, loaded_weight)
+
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every weight is in."""
         if can_pack(self.gate_up_proj[0]) and can_pack(self.down_proj[0]):
@@ -97,12 +133,17 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_first)
         args = (hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        extra = {}
+        if self.gate_up_proj_bias is not None:
+            extra.update(b13=self.gate_up_proj_bias, b2=self.down_proj_bias if self.tp_rank == 0 else None)
+        if self.activation is not None:
+            extra["activation"] = self.activation
         if hidden_states.is_cuda:  # the Triton grouped GEMMs
             from kernels.triton_fused_moe import fused_moe  # triton only where it runs natively
 
-            out = fused_moe(*args)
+            out = fused_moe(*args, **extra)
         else:  # the sorted per-expert torch path, through the packed weights when loading packed them
-            out = fused_moe_torch(*args, expert_linear=self._packed_linear if self.packed_experts else None)
+            out = fused_moe_torch(*args, expert_linear=self._packed_linear if self.packed_experts else None, **extra)
         return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
