@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # importing Ray Serve reads its environment, which local_clus
     from ray.serve import Application
 
 APP_NAME = "llm"
-METRICS_REPORT_INTERVAL_MS = 1000
+METRICS_REPORT_INTERVAL_MS = 500  # tests wait on /metrics: each wait is about two of these
 RAY_METRICS_REPORT_INTERVAL_MS = 10_000  # Ray's own default: what `serve run` clusters have
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 _CALLER = "serve_app.local.caller"
@@ -43,7 +43,7 @@ def local_cluster(num_cpus: int | None = None, high_throughput: bool = True,
 
     high_throughput=False: Serve's Python ProxyActor instead of HAProxy (HIGH_THROUGHPUT_ENV).
     metrics_report_interval_ms: how often Ray's agent publishes metrics. Tests want /metrics fresh
-    (1 s); a benchmark wants the CPU of what users run (RAY_METRICS_REPORT_INTERVAL_MS: 1 s costs
+    (0.5 s); a benchmark wants the CPU of what users run (RAY_METRICS_REPORT_INTERVAL_MS: 1 s costs
     the agent ~3% of a core, docs/benchmarks.md).
     """
     import ray

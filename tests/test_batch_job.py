@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import ray
 from ray import cloudpickle
 
 from engine import LLM, SamplingParams
@@ -254,12 +255,16 @@ def _assert_engines_stopped(free_before: float):
     assert _free_cpus() >= free_before
 
 
-def _cli(model, src, out, *extra):
+def _cli(model, src, out, *extra, own_cluster=True):
+    """The batch CLI in a process of its own: on a new local cluster (own_cluster, as a user runs it on
+    one machine), or on the suite's cluster through RAY_ADDRESS (as a RayJob runs it)."""
     cmd = [sys.executable, "-m", "serve_app.batch", "--model", model, "--input", src, "--output", out,
            "--device", "cpu", "--max-tokens", "12", "--batch-size", "2", "--temperature", "0.8", "--seed", "7",
            "--no-progress", *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("RAY_ADDRESS", None)
+    if not own_cluster:
+        cmd += ["--address", ray.get_runtime_context().gcs_address]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -276,7 +281,7 @@ def test_sigterm_midway_then_resume_gives_every_id_once_with_the_same_outputs(ra
     assert job.returncode == 143, log
     partial = _by_id(out)
     assert 0 < len(partial) < n, "the job was not killed midway"
-    resumed = _cli(tiny_llama, src, str(out), "--resume")
+    resumed = _cli(tiny_llama, src, str(out), "--resume", own_cluster=False)
     log = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, log
     assert f"({len(partial)} already done)" in log

@@ -43,12 +43,13 @@ def llm(smollm2):
 
 
 def test_greedy_equals_hf_on_chat_prompts(llm, smollm2):
-    """HF reads the same GGUF with its own dequantization and un-permutation (tests/hf_reference.py)."""
-    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    """HF reads the same GGUF with its own dequantization and un-permutation (tests/hf_reference.py).
+    Three of the demo's questions: HF's decoding loop, not ours, takes most of this test's time."""
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                     use_tqdm=False)
     view = str(resolve_model_path(smollm2))  # the GGUF's HF view: config, tokenizer, link to the file
-    for q, out in zip(QUESTIONS, outs):
+    for q, out in zip(QUESTIONS[:3], outs):
         assert_matches(out.outputs[0].token_ids, hf_greedy(view, out.prompt_token_ids, MAX_TOKENS), q)
     assert "Paris" in outs[0].outputs[0].text
 

@@ -22,7 +22,7 @@ from serve_app.replica.client import RemoteEngine
 from serve_app.guard.policy import GuardrailPolicy
 from serve_app.guard.session import attempt_seed
 from serve_app.guard.guardrails import JsonGuard
-from serve_app.local import call_deployment, deployed_app
+from serve_app.local import METRICS_REPORT_INTERVAL_MS, call_deployment, deployed_app
 from serve_app.http.messages import Delta, EngineRequest, StreamItem
 
 pytestmark = pytest.mark.timeout(900)
@@ -200,10 +200,11 @@ def policy(**changes):
 
 def _outcomes(http) -> dict[tuple[str, str], float]:
     """Guardrail outcome counts (and, under "requests", HTTP requests) once /metrics has caught up:
-    it is Ray's metrics export, published every second, so read until two reads 1.1 s apart agree."""
+    it is Ray's metrics export, published every METRICS_REPORT_INTERVAL_MS, so read until two reads
+    further apart than that agree."""
     counts = _read_outcomes(http)
     while True:
-        time.sleep(1.1)
+        time.sleep(METRICS_REPORT_INTERVAL_MS / 1000 + 0.1)
         counts, previous = _read_outcomes(http), counts
         if counts == previous:
             return counts

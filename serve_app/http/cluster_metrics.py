@@ -12,7 +12,7 @@ those endpoints, rather than gathering from replicas, is what makes one scrape c
 - a busy engine replica is not asked anything (its step loop is never interrupted for a scrape).
 
 The price is freshness: Ray's agent publishes what replicas recorded every
-`metrics_report_interval_ms` (Ray's default 10 s; `serve_app.local` uses 1 s), so a value
+`metrics_report_interval_ms` (Ray's default 10 s; `serve_app.local` uses 0.5 s), so a value
 appears up to that long after the fact. Engine replicas record every 0.5 s on top of that.
 """
 from __future__ import annotations
