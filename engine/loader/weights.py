@@ -97,7 +97,9 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
                         yield name, name, lambda f=f, name=name: f.get_tensor(name)
 
-    load_named_tensors(model, tensors(), f"checkpoint {path}", "weights")
+    # A model may rewrite the stream first (gpt-oss: MXFP4 pairs dequantized, its expert layout, renames).
+    remap = getattr(model, "checkpoint_tensors", None)
+    load_named_tensors(model, tensors() if remap is None else remap(tensors()), f"checkpoint {path}", "weights")
 
 
 def load_named_tensors(model: nn.Module, tensors, source: str, kind: str) -> None:

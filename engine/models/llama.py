@@ -67,9 +67,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, self_attn: nn.Module | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, sliding_window)  # Mistral, Qwen2's upper layers
+        # sliding_window: Mistral, Qwen2's upper layers; self_attn: a model's own attention (gpt-oss)
+        self.self_attn = LlamaAttention(config, rotary_emb, sliding_window) if self_attn is None else self_attn
         self.mlp = LlamaMLP(config) if mlp is None else mlp  # mlp: a mixture-of-experts block (engine/models/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -87,15 +88,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp=None):
-        """make_mlp(layer_idx) -> that layer's feed-forward module, or None for the dense LlamaMLP."""
+    def __init__(self, config: ModelConfig, make_mlp=None, make_attention=None):
+        """make_mlp(layer_idx) -> that layer's feed-forward module, or None for the dense LlamaMLP;
+        make_attention(layer_idx, rotary_emb) -> its attention, or None for LlamaAttention."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers ([max_position, head_dim] float32: 64 MiB for
         # Llama 3.1's 131072 positions, which a per-layer copy would multiply by 32).
         rotary_emb = get_rope(config)  # rope_scaling, partial_rotary_factor
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, make_mlp and make_mlp(i),
-                                                      config.layer_sliding_window(i))
+                                                      config.layer_sliding_window(i),
+                                                      make_attention and make_attention(i, rotary_emb))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -120,13 +123,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.make_mlp)
+        self.model = LlamaModel(config, self.make_mlp, self.make_attention)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """Layer `layer_idx`'s feed-forward module; None: the dense LlamaMLP (MoE models override)."""
+        return None
+
+    def make_attention(self, layer_idx: int, rotary_emb: RotaryEmbedding) -> nn.Module | None:
+        """Layer `layer_idx`'s attention; None: LlamaAttention (gpt-oss overrides)."""
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
