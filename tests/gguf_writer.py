@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -17,7 +18,12 @@ from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file, save_file
 
 _ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-          "Phi3ForCausalLM": "phi3"}
+          "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+          "Qwen3MoeForCausalLM": "qwen3moe"}
+# One expert's projection in an HF checkpoint: `...experts.3.w1.weight`.
+_EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+# convert_hf_to_gguf.py keeps these in F32 whatever the file's type (the routers).
+_F32_TENSORS = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -45,16 +51,18 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
     _add_tokenizer(writer, hf_dir, config)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     stored = {}
-    for name, array in sorted(load_file(hf_dir / "model.safetensors").items()):
+    for name, array in sorted(_stack_experts(load_file(hf_dir / "model.safetensors")).items()):
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:  # e.g. a dense MLP in a qwen2moe (llama.cpp has no tensor for it)
+            raise ValueError(f"llama.cpp's {arch} has no tensor for {name}")
         data, stored[name] = ((array, array) if array.ndim == 1 or qtype == GGMLQuantizationType.F32
-                              else quantize_roundtrip(array, qtype))
+                              or gguf_name.endswith(_F32_TENSORS) else quantize_roundtrip(array, qtype))
         if arch == "llama" and ".q_proj." in name:
             data = llama_cpp_permute(data, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, config["num_key_value_heads"])
-        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         writer.add_tensor(gguf_name, data, raw_dtype=None if data.dtype == np.float32 else qtype)
     rope_freqs = llama3_rope_freqs(config)
     if rope_freqs is not None:
@@ -67,7 +75,33 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return stored
+    return _unstack_experts(stored)
+
+
+def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf.py's MoE merge: each layer's `experts.{e}.{proj}.weight` stacked
+    into one `experts.{proj}.weight` of [E, ...] (which the name map knows as ffn_*_exps)."""
+    out, experts = {}, {}
+    for name, array in weights.items():
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault(f"{m['prefix']}.{m['proj']}.weight", {})[int(m["expert"])] = array
+        else:
+            out[name] = array
+    for name, by_index in experts.items():
+        out[name] = np.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
+def _unstack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of _stack_experts, for the HF reference (HF checkpoints name experts one by one)."""
+    out = {}
+    for name, array in weights.items():
+        prefix, _, proj = name.rpartition(".experts.")
+        if prefix and array.ndim == 3:
+            out.update({f"{prefix}.experts.{e}.{proj}": array[e] for e in range(array.shape[0])})
+        else:
+            out[name] = array
+    return out
 
 
 def llama3_rope_freqs(config: dict) -> np.ndarray | None:
@@ -137,6 +171,14 @@ def _add_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    # TextModel.set_gguf_parameters and Qwen2MoeModel's: the experts and their widths
+    if num_experts := config.get("num_local_experts") or config.get("num_experts"):
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:

@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.layers.rotary import get_rope
 from engine.loader.gguf_config import SUPPORTED_TENSOR_TYPES, find_gguf, hf_view
-from engine.loader.gguf_loader import dequantize_tensor, hf_name, unpermute_rows
+from engine.loader.gguf_loader import dequantize_tensor, hf_name, load_gguf_weights, unpermute_rows
 from engine.loader.model_path import resolve_model_path
 from engine.tools.tiny_model import make_tiny_model
 from tests.gguf_writer import llama_cpp_permute, save_as_hf, write_gguf
@@ -142,7 +142,10 @@ def test_tensor_names():
     assert hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
     assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_name("blk.0.ffn_gate_exps.weight") is None  # stacked experts: named per model (loader)
+    assert hf_name("blk.2.ffn_gate_inp.weight") == "model.layers.2.mlp.gate.weight"  # the router
+    assert hf_name("blk.2.ffn_gate_inp_shexp.weight") == "model.layers.2.mlp.shared_expert_gate.weight"
+    assert hf_name("blk.2.ffn_down_shexp.weight") == "model.layers.2.mlp.shared_expert.down_proj.weight"
     assert hf_name("blk.1.attn_qkv.weight", "phi3") == "model.layers.1.self_attn.qkv_proj.weight"
     assert hf_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"  # [gate | up]
 
@@ -225,3 +228,59 @@ def test_phi3_gguf_equals_hf_on_dequantized_weights(tmp_path):
     ours = ModelConfig.from_pretrained(hf_path)
     assert (view.partial_rotary_factor, view.rope_scaling["original_max_position_embeddings"]) == (0.75, 256)
     torch.testing.assert_close(get_rope(view).cos_sin_cache, get_rope(ours).cos_sin_cache, rtol=0, atol=1e-6)
+
+
+# Mixture-of-experts checkpoints as llama.cpp's converter takes them: every Qwen2-MoE layer sparse
+# (llama.cpp's qwen2moe has no dense MLP tensors), as in the released Qwen1.5-MoE / Qwen2-57B.
+_MOE_OVERRIDES = {"mixtral": {}, "qwen2_moe": {"mlp_only_layers": []}, "qwen3_moe": {}}
+# HF config keys each MoE view must carry as the checkpoint has them.
+_MOE_KEYS = {"mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+             "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "shared_expert_intermediate_size", "qkv_bias", "mlp_only_layers", "decoder_sparse_step"),
+             "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "head_dim", "mlp_only_layers", "decoder_sparse_step")}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """arch -> its tiny checkpoint (8 experts, top-2), built on first use."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            out = tmp_path_factory.mktemp(f"gguf-{arch}")
+            built[arch] = make_tiny_model(out, arch=arch, seed=0, **_MOE_OVERRIDES[arch])
+        return built[arch]
+    return get
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", list(_MOE_OVERRIDES))
+def test_moe_gguf_equals_hf_on_dequantized_weights(arch, qtype, tiny_moe_checkpoint, tmp_path):
+    """llama.cpp's MoE files (Mixtral as `llama` with expert_count, `qwen2moe` with its shared
+    expert, `qwen3moe` with q/k norms): each layer's experts stacked in ffn_{gate,up,down}_exps
+    [E, ...], the router ffn_gate_inp kept F32. Greedy tokens equal HF's on the weights the file
+    holds, and the HF view's config carries the MoE keys transformers' GGUF reading leaves out."""
+    hf_path = tiny_moe_checkpoint(arch)
+    stored = write_gguf(hf_path, tmp_path / "model.gguf", qtype)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
+    assert tensors["blk.1.ffn_gate_exps.weight"].data.shape[0] == 8  # stacked: [E, I, H(bytes)]
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == Q.F32
+    assert tensors["blk.1.ffn_down_exps.weight"].tensor_type == qtype
+    reference = hf_path if qtype == Q.F32 else save_as_hf(hf_path, stored, tmp_path / "hf-dequantized")
+    _check_greedy(tmp_path / "model.gguf", reference, lens=(7, 130))
+    view = json.loads((resolve_model_path(str(tmp_path / "model.gguf")) / "config.json").read_text())
+    theirs = json.loads((hf_path / "config.json").read_text())
+    theirs.setdefault("head_dim", theirs["hidden_size"] // theirs["num_attention_heads"])
+    assert view["architectures"] == theirs["architectures"]
+    assert {k: view.get(k) for k in _MOE_KEYS[arch]} == {k: theirs.get(k) for k in _MOE_KEYS[arch]}
+
+
+def test_stacked_experts_need_a_moe_model(tmp_path):
+    """A stacked expert tensor in a file whose model has no experts is named, not dropped."""
+    data = np.zeros((8, 4, 32), np.float32)
+    _write_one_tensor(tmp_path / "e.gguf", "llama", "blk.0.ffn_up_exps.weight", data, None)
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"tie_word_embeddings": False})()
+    with pytest.raises(ValueError, match=r"unexpected tensors \['blk.0.ffn_up_exps.weight'\]"):
+        load_gguf_weights(model, tmp_path / "e.gguf")

@@ -29,9 +29,12 @@ from pathlib import Path
 
 GGUF_LINK = "model.gguf"
 # GGUF `general.architecture` -> the HF architecture our engine runs it as.
-# (llama.cpp writes Mistral checkpoints as "llama" too.)
+# (llama.cpp writes Mistral checkpoints as "llama" too, and Mixtral as "llama" with experts.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# Whether llama.cpp renormalizes the top-k routing weights when the file does not say
+# (`{arch}.expert_weights_norm`): its qwen2moe graph does not, qwen3moe's and Mixtral's do.
+_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # Tensor types we dequantize (with gguf.quants.dequantize, llama.cpp's reference in numpy).
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                           "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -118,6 +121,10 @@ def _write_view(gguf_path: Path, out: Path) -> None:
         config.head_dim = int(key_length.contents())
     if arch == "phi3":
         _phi3_rope(reader, config)
+    elif arch in _MOE_NORM_TOPK:
+        _qwen_moe(reader, arch, config)
+    elif arch == "llama" and _field(reader, "llama.expert_count"):
+        config = _mixtral(reader, config)
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(out)
     os.symlink(gguf_path, out / GGUF_LINK)
@@ -144,6 +151,40 @@ def _phi3_rope(reader, config) -> None:
         if field("rope.scaling.attn_factor") is not None:
             rope["attention_factor"] = float(field("rope.scaling.attn_factor"))
     config.rope_parameters = rope
+
+
+def _field(reader, key: str, default=None):
+    value = reader.fields.get(key)
+    return default if value is None else value.contents()
+
+
+def _qwen_moe(reader, arch: str, config) -> None:
+    """What transformers' GGUF config leaves out for `qwen2moe` / `qwen3moe`: the experts' width
+    (expert_feed_forward_length), the shared expert's (expert_shared_feed_forward_length), whether
+    q/k/v have a bias, and whether the top-k weights are renormalised, as llama.cpp's graph does
+    it. Every layer is sparse: llama.cpp has no dense MLP tensors for these arches."""
+    config.moe_intermediate_size = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    if arch == "qwen2moe":
+        config.shared_expert_intermediate_size = int(_field(reader, f"{arch}.expert_shared_feed_forward_length"))
+        config.qkv_bias = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    config.decoder_sparse_step = 1
+    config.mlp_only_layers = []
+    config.norm_topk_prob = bool(_field(reader, f"{arch}.expert_weights_norm", _MOE_NORM_TOPK[arch]))
+
+
+def _mixtral(reader, config):
+    """llama.cpp writes Mixtral as `llama` with expert_count / expert_used_count, which
+    transformers reads as a LlamaConfig without experts: rebuilt as the MixtralConfig it is."""
+    from transformers import MixtralConfig
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    mixtral = MixtralConfig(**{k: getattr(config, k) for k in keys if getattr(config, k, None) is not None},
+                            num_local_experts=int(_field(reader, "llama.expert_count")),
+                            num_experts_per_tok=int(_field(reader, "llama.expert_used_count")))
+    mixtral.architectures = ["MixtralForCausalLM"]
+    return mixtral
 
 
 def _cache_root() -> Path:

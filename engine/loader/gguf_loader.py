@@ -7,12 +7,18 @@ and then goes the way a safetensors tensor goes: to the parameter's own `weight_
 casts it to the engine dtype and cuts this TP rank's slice. One tensor is dequantized at a
 time, so the float32 copy of the whole model never exists.
 
+Mixture-of-experts files stack each layer's experts in one tensor (`blk.N.ffn_gate_exps` [E, I, H],
+`ffn_up_exps`, `ffn_down_exps` [E, H, I]); each expert's rows are dequantized on their own
+(`tensor.data[e]` is its quantized blocks) and handed on as the checkpoint's per-expert tensor,
+named as the model's `expert_params_mapping` names it (Mixtral's w1/w3/w2, Qwen's gate/up/down).
+
 `rope_freqs.weight` (Llama 3.1+ files: llama.cpp's converter writes the llama3 RoPE scaling as one
 divisor per frequency, and no scaling in the metadata) is used as llama.cpp uses it: the model's
 rotary table is rebuilt with inv_freq / rope_freqs.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +50,16 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Stacked experts: `blk.N.ffn_{gate,up,down}_exps.weight` -> the FusedMoE parameter and part that
+# a model's expert_params_mapping maps its per-expert checkpoint projection to.
+_EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
+_EXPERT_PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", None)}
 # Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved
 # (GPT-J style) RoPE; Qwen2/Qwen3 use NeoX RoPE in llama.cpp and are stored as in HF.
 # Per architecture: llama.cpp names whose HF module differs (phi3 keeps HF's fused tensors).
@@ -66,10 +81,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def dequantize_tensor(tensor) -> np.ndarray:
-    """A gguf ReaderTensor -> float32 array in HF layout ([out_features, in_features] for a matrix).
-    GGUF lists dimensions innermost first; the reader's numpy view (and so this) is outermost first."""
-    array = dequantize(tensor.data, tensor.tensor_type)
+def dequantize_tensor(tensor, index: int | None = None) -> np.ndarray:
+    """A gguf ReaderTensor (or its `index`-th slice along the outermost dim, e.g. one expert)
+    -> float32 array in HF layout ([out_features, in_features] for a matrix). GGUF lists
+    dimensions innermost first; the reader's numpy view (and so this) is outermost first."""
+    array = dequantize(tensor.data if index is None else tensor.data[index], tensor.tensor_type)
     if not array.flags.writeable:  # F32 comes back as a view of the read-only memory map
         array = array.copy()
     return array.astype(np.float32, copy=False)
@@ -93,7 +109,31 @@ def _hf_tensor(tensor, name: str, arch: str, config) -> torch.Tensor:
         array = unpermute_rows(array, config.num_attention_heads)
     elif arch in _PERMUTED_ARCHS and ".self_attn.k_proj." in name:
         array = unpermute_rows(array, config.num_key_value_heads)
+    elif name.endswith(".shared_expert_gate.weight") and array.ndim == 1:  # [H] as some files hold it: HF's [1, H]
+        array = array[None]
     return torch.from_numpy(array)
+
+
+def _checkpoint_name(model: nn.Module, name: str | None) -> str | None:
+    """`name` with our module names spelled as the model's checkpoints spell them, where the
+    model only renames a module (Mixtral's `mlp` is `block_sparse_moe` in its checkpoints)."""
+    for ckpt_module, (our_module, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if name and shard_id is None and f".{our_module}." in name:
+            name = name.replace(f".{our_module}.", f".{ckpt_module}.")
+    return name
+
+
+def _expert_tensors(model: nn.Module, tensor, match: re.Match):
+    """(file name, HF name, thunk) for each expert of a stacked `ffn_*_exps` tensor: expert e's
+    slice under the per-expert checkpoint name the model maps (`...experts.{e}.w1.weight`)."""
+    projs = {target: proj for proj, target in getattr(model, "expert_params_mapping", {}).items()}
+    proj = projs.get(_EXPERT_PARTS[match["part"]])
+    if proj is None:  # not a MoE model: reported as unexpected
+        yield tensor.name, None, None
+        return
+    for e in range(tensor.data.shape[0]):
+        yield (tensor.name, _checkpoint_name(model, f"model.layers.{match['layer']}.mlp.experts.{e}.{proj}.weight"),
+               lambda e=e: torch.from_numpy(dequantize_tensor(tensor, e)))
 
 
 def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
@@ -107,7 +147,10 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
 
     def tensors():
         for tensor in reader.tensors:
-            name = hf_name(tensor.name, arch)
+            if match := _EXPERT_TENSOR.fullmatch(tensor.name):
+                yield from _expert_tensors(model, tensor, match)
+                continue
+            name = _checkpoint_name(model, hf_name(tensor.name, arch))
             if not (tied and name == "lm_head.weight") and tensor.name not in (_ROPE_FREQS, *_CONFIG_TENSORS):
                 yield tensor.name, name, lambda tensor=tensor, name=name: _hf_tensor(tensor, name, arch, config)
 
