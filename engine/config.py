@@ -21,6 +21,8 @@ from engine.models import SUPPORTED_ARCHITECTURES, check_architecture  # names o
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names: getattr(torch, name)
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("triton", "torch")     # engine/layers/attention.py loads their kernels
+# The MLP activation (HF's name) of the architectures that use another than SiLU.
+HIDDEN_ACTS = {"Gemma2ForCausalLM": "gelu_pytorch_tanh", "Gemma3ForCausalLM": "gelu_pytorch_tanh"}
 # Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
 # Pages are only touched when used, so an unused budget costs address space, not RAM.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -68,8 +70,10 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
+        supported_act = HIDDEN_ACTS.get(self.architecture, "silu")
+        if self.hidden_act != supported_act:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported for {self.architecture} "
+                             f"(only {supported_act!r})")
         _check_rope(self)
         self.sliding_window, self.layer_types = _checked_sliding_window(self)
 
@@ -108,7 +112,9 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
-            hidden_act=hf.get("hidden_act", "silu"),
+            # Gemma's HF model reads hidden_activation (its configs may carry both)
+            hidden_act=((hf.get("hidden_activation") or hf.get("hidden_act", "silu")) if arch in HIDDEN_ACTS
+                        else hf.get("hidden_act", "silu")),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", ""),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
@@ -198,7 +204,12 @@ def _check_rope(config: ModelConfig) -> None:
 
 def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     """Refuse what we would otherwise silently mis-run."""
+    if arch == "Gemma3ForConditionalGeneration":
+        raise ValueError("architecture 'Gemma3ForConditionalGeneration' (Gemma 3 with its vision tower) is "
+                         "not supported; the text-only Gemma3ForCausalLM is")
     check_architecture(arch)
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (causal attention only)")
     if hf.get("quantization_config"):
         raise ValueError("quantized checkpoints (quantization_config) are not supported")
     if hf.get("mlp_bias"):
@@ -207,8 +218,9 @@ def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The architectures whose model passes each layer's window to its attention (the Llama graph,
-# engine/models/llama.py); any other with a sliding layer is refused by name.
-SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+# engine/models/llama.py, and Gemma's); any other with a sliding layer is refused by name.
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                               "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Those that slide only with use_sliding_window (default off), and those whose HF model gives
 # every layer the window whatever layer_types says.
 _QWEN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

@@ -1,4 +1,4 @@
-"""Activations on fused projections."""
+"""Activations on fused projections: [n, 2 * d] laid out as [gate | up] -> act(gate) * up."""
 from __future__ import annotations
 
 import torch
@@ -17,3 +17,18 @@ class SiluAndMul(nn.Module):
             return fused
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+
+class GeluAndMul(nn.Module):
+    """[n, 2 * d] laid out as [gate | up] -> gelu(gate) * up, [n, d]. approximate="tanh" is HF's
+    gelu_pytorch_tanh (Gemma's hidden_activation), "none" the exact erf GELU."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate={approximate!r} is invalid: choose 'none' or 'tanh'")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate).mul_(up)

@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add (vLLM's calling convention)."""
+"""RMSNorm with an optional fused residual add (vLLM's calling convention), and Gemma's
+(1 + weight) form of it."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
+    def _multiplier(self) -> torch.Tensor:
+        """What the normalised rows are multiplied by, [hidden]."""
+        return self.weight
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
             # One fused kernel; it accumulates in float32 for half types, as HF does. In
@@ -28,10 +33,36 @@ class RMSNorm(nn.Module):
         s = x + residual becomes the next residual and (norm(s), s) is returned.
         Both inputs are overwritten (x, residual: fresh activations the caller drops); on
         CPU fp32 one fused C pass (kernels.cpu_ops) does the add and the norm."""
-        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        fused = cpu_ops.add_rms_norm(x, residual, self._multiplier(), self.eps)
         if fused is not None:
             return fused if residual is None else (fused, residual)
         if residual is None:
             return self._norm(x)
         x = x.add_(residual)
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint's weight w is an offset, and HF computes
+    norm(x.float()) * (1 + w.float()), cast back to x's dtype only at the end (RMSNorm casts
+    before it multiplies). 1 + w is kept in float32 (`scale`, set once the weights are in), so in
+    float32 the fused forms above (F.rms_norm, the C add-and-norm) compute exactly that."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()  # no offset: the identity scale, as HF initialises it
+        # Not a parameter (the loader fills `weight`) and not persistent (not in the checkpoint).
+        self.register_buffer("scale", torch.ones(hidden_size, dtype=torch.float32), persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        """Called by the loader once every weight is in."""
+        self.scale = 1.0 + self.weight.float()  # float32 whatever was done to the module's dtype before
+
+    def _multiplier(self) -> torch.Tensor:
+        return self.scale
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.scale.shape, self.scale, self.eps)
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)

@@ -13,6 +13,8 @@ arch: llama | mistral | qwen2 | qwen3 | phi3 (None: llama, or the preset's own a
 phi3: LongRoPE (original context max_position_embeddings / 8) and partial_rotary_factor 0.75.
 moe archs: mixtral | qwen2_moe | qwen3_moe, 8 experts, top-2 (expert MLPs half as wide as
 intermediate_size; qwen2_moe's shared expert as wide, its layer 1 dense).
+gemma archs: gemma2 | gemma3 (text), 4 layers, windows of 16 (gemma2: every other layer, soft caps
+5 / 15; gemma3: 2 local layers to 1 global, global RoPE 100x the base and linearly scaled).
 preset: tiny (tests) | bench (CPU benchmark, ~22M params) | qwen3-0.6b |
 llama-8b (bf16, real shapes, random weights, for GPU benchmarks).
 chat_template: a Jinja chat template replacing the arch's plain one (e.g. a
@@ -44,6 +46,8 @@ ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 # Mixture-of-experts: with 8 experts and top-2, a batch's tokens reach every expert.
 MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ARCHS.update(MOE_ARCHS)
+GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # norms store (1 + w) - 1
+ARCHS.update(GEMMA_ARCHS)
 
 # Per-arch config that holds for every preset.
 ARCH_CONFIG = {
@@ -57,6 +61,12 @@ ARCH_CONFIG = {
     "qwen3_moe": dict(tie_word_embeddings=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=True),
     "phi3": dict(tie_word_embeddings=False, sliding_window=None, partial_rotary_factor=0.75),
+    # Soft caps small enough to bend the tiny model's scores and logits; windows of one block.
+    "gemma2": dict(tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                   head_dim=16, query_pre_attn_scalar=4, sliding_window=16, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=15.0),
+    "gemma3": dict(tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                   head_dim=16, query_pre_attn_scalar=24, sliding_window=16, sliding_window_pattern=3),
 }
 
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -84,7 +94,9 @@ PRESETS = {
 
 # Tiny-only tweaks that make each arch exercise its distinctive code path.
 TINY_ARCH_TWEAKS = {"qwen2": dict(num_key_value_heads=1),   # MQA
-                    "qwen3": dict(head_dim=32)}             # != 64 // 4
+                    "qwen3": dict(head_dim=32),             # != 64 // 4
+                    "gemma2": dict(num_hidden_layers=4),    # sliding, full, sliding, full
+                    "gemma3": dict(num_hidden_layers=4)}    # sliding, sliding, full, sliding
 
 # Special tokens, in id order (0, 1, 2), and their roles.
 LLAMA_SPECIALS = dict(tokens=["<unk>", "<s>", "</s>"], unk="<unk>", bos="<s>",
@@ -173,8 +185,12 @@ def _build_config(arch: str, preset: dict, tok_len: int, ids: dict, overrides: d
     if arch == "qwen2_moe":
         kw.setdefault("shared_expert_intermediate_size", kw["intermediate_size"])
     theta = kw.pop("rope_theta")  # transformers>=5 spells it rope_parameters
+    if arch == "gemma3":  # the global layers' RoPE (linear scaling, as Gemma 3 4B+), and the local layers'
+        kw.setdefault("rope_parameters", dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100 * theta),
+                                              sliding_attention=dict(rope_type="default", rope_theta=theta)))
     kw.setdefault("rope_parameters", _longrope(kw, theta) if arch == "phi3" else dict(rope_type="default", rope_theta=theta))
-    return AutoConfig.for_model(arch, architectures=[ARCHS[arch]], dtype=preset["dtype"], **kw)
+    model_type = {"gemma3": "gemma3_text"}.get(arch, arch)  # "gemma3" is the multimodal config
+    return AutoConfig.for_model(model_type, architectures=[ARCHS[arch]], dtype=preset["dtype"], **kw)
 
 
 def _longrope(kw: dict, theta: float) -> dict:
@@ -201,6 +217,8 @@ def _init_tensor(name, shape, config, n_tok: int, seed: int, dtype, device="cpu"
         x = 1.0 + NORM_JITTER * x
         if tied and name == "model.norm.weight":
             x = x * (LOGIT_STD / TIED_EMBED_GAIN)  # tied: final norm sets the logit scale
+        if config.model_type.startswith("gemma"):
+            x = x - 1.0  # Gemma's norms multiply by (1 + weight)
     elif name.endswith(".bias"):
         x = BIAS_STD * x
     elif "embed_tokens" in name:
@@ -283,7 +301,8 @@ def _write_configs(config, out: Path) -> None:
     # transformers>=5 writes rope_parameters only; hub checkpoints (and simple
     # loaders) use a top-level rope_theta. HF accepts both being present.
     cfg = json.loads((out / "config.json").read_text())
-    cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    rope = cfg["rope_parameters"]
+    cfg["rope_theta"] = rope.get("full_attention", rope)["rope_theta"]  # Gemma 3's: per layer type
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
