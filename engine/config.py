@@ -211,16 +211,32 @@ def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     if hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported (causal attention only)")
     if hf.get("quantization_config"):
-        raise ValueError("quantized checkpoints (quantization_config) are not supported")
+        _check_quantization(hf["quantization_config"], arch)
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
+
+
+# The one checkpoint quantization loaded, dequantized at load (engine/loader/mxfp4.py): gpt-oss's
+# MXFP4 experts. Any other quant_method, or MXFP4 on another architecture, is refused by name.
+_QUANTIZATIONS = {"GptOssForCausalLM": "mxfp4"}
+_QUANTIZATION_KEYS = ("quant_method", "modules_to_not_convert")  # what the hub's MXFP4 configs hold
+
+
+def _check_quantization(quant: dict[str, Any], arch: str) -> None:
+    method = quant.get("quant_method")
+    if _QUANTIZATIONS.get(arch) != method:
+        raise ValueError(f"quantization_config quant_method={method!r} is not supported for {arch} "
+                         f"(quantized checkpoints load only as {_QUANTIZATIONS})")
+    extra = sorted(set(quant) - set(_QUANTIZATION_KEYS))
+    if extra:
+        raise ValueError(f"quantization_config keys {extra} are not supported for quant_method={method!r}")
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The architectures whose model passes each layer's window to its attention (the Llama graph,
 # engine/models/llama.py, and Gemma's); any other with a sliding layer is refused by name.
 SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                               "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                               "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 # Those that slide only with use_sliding_window (default off), and those whose HF model gives
 # every layer the window whatever layer_types says.
 _QWEN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

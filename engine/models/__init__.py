@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",  # sinks, biased MoE, clamped SwiGLU, MXFP4
     "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",        # fused qkv / gate_up tensors, LongRoPE
     "Gemma2ForCausalLM": "engine.models.gemma2:Gemma2ForCausalLM",  # soft-caps, (1 + w) norms, alternating windows
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",  # text only: Gemma 2 + q/k norm, local RoPE

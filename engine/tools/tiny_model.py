@@ -12,7 +12,8 @@ arguments give byte-identical files.
 arch: llama | mistral | qwen2 | qwen3 | phi3 (None: llama, or the preset's own arch).
 phi3: LongRoPE (original context max_position_embeddings / 8) and partial_rotary_factor 0.75.
 moe archs: mixtral | qwen2_moe | qwen3_moe, 8 experts, top-2 (expert MLPs half as wide as
-intermediate_size; qwen2_moe's shared expert as wide, its layer 1 dense).
+intermediate_size; qwen2_moe's shared expert as wide, its layer 1 dense); gpt_oss: 8 experts
+top-2, sinks, layers alternating sliding (window 16) and full, yarn RoPE.
 gemma archs: gemma2 | gemma3 (text), 4 layers, windows of 16 (gemma2: every other layer, soft caps
 5 / 15; gemma3: 2 local layers to 1 global, global RoPE 100x the base and linearly scaled).
 preset: tiny (tests) | bench (CPU benchmark, ~22M params) | qwen3-0.6b |
@@ -44,7 +45,8 @@ from engine.tools._tiny_corpus import corpus_lines
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Mixture-of-experts: with 8 experts and top-2, a batch's tokens reach every expert.
-MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "gpt_oss": "GptOssForCausalLM"}
 ARCHS.update(MOE_ARCHS)
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # norms store (1 + w) - 1
 ARCHS.update(GEMMA_ARCHS)
@@ -61,6 +63,10 @@ ARCH_CONFIG = {
     "qwen3_moe": dict(tie_word_embeddings=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=True),
     "phi3": dict(tie_word_embeddings=False, sliding_window=None, partial_rotary_factor=0.75),
+    # gpt-oss: sliding and full layers alternating, yarn as the real config has it (factor 32 over
+    # an original context of max_position_embeddings / 32), experts intermediate_size wide.
+    "gpt_oss": dict(tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False)),
     # Soft caps small enough to bend the tiny model's scores and logits; windows of one block.
     "gemma2": dict(tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                    head_dim=16, query_pre_attn_scalar=4, sliding_window=16, attn_logit_softcapping=5.0,
@@ -96,7 +102,8 @@ PRESETS = {
 TINY_ARCH_TWEAKS = {"qwen2": dict(num_key_value_heads=1),   # MQA
                     "qwen3": dict(head_dim=32),             # != 64 // 4
                     "gemma2": dict(num_hidden_layers=4),    # sliding, full, sliding, full
-                    "gemma3": dict(num_hidden_layers=4)}    # sliding, sliding, full, sliding
+                    "gemma3": dict(num_hidden_layers=4),    # sliding, sliding, full, sliding
+                    "gpt_oss": dict(head_dim=32, swiglu_limit=1.5)}  # q wider than hidden; a clamp tiny activations reach
 
 # Special tokens, in id order (0, 1, 2), and their roles.
 LLAMA_SPECIALS = dict(tokens=["<unk>", "<s>", "</s>"], unk="<unk>", bos="<s>",
@@ -188,6 +195,10 @@ def _build_config(arch: str, preset: dict, tok_len: int, ids: dict, overrides: d
     if arch == "gemma3":  # the global layers' RoPE (linear scaling, as Gemma 3 4B+), and the local layers'
         kw.setdefault("rope_parameters", dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100 * theta),
                                               sliding_attention=dict(rope_type="default", rope_theta=theta)))
+    if arch == "gpt_oss":
+        yarn = kw.pop("rope_scaling")
+        kw.setdefault("rope_parameters", dict(yarn, rope_theta=150000.0,
+                                              original_max_position_embeddings=kw["max_position_embeddings"] // 32))
     kw.setdefault("rope_parameters", _longrope(kw, theta) if arch == "phi3" else dict(rope_type="default", rope_theta=theta))
     model_type = {"gemma3": "gemma3_text"}.get(arch, arch)  # "gemma3" is the multimodal config
     return AutoConfig.for_model(model_type, architectures=[ARCHS[arch]], dtype=preset["dtype"], **kw)
@@ -219,8 +230,12 @@ def _init_tensor(name, shape, config, n_tok: int, seed: int, dtype, device="cpu"
             x = x * (LOGIT_STD / TIED_EMBED_GAIN)  # tied: final norm sets the logit scale
         if config.model_type.startswith("gemma"):
             x = x - 1.0  # Gemma's norms multiply by (1 + weight)
-    elif name.endswith(".bias"):
+    elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
         x = BIAS_STD * x
+    elif name.endswith(".sinks"):  # gpt-oss: a logit per head, O(1) to matter
+        pass
+    elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and config.model_type == "gpt_oss":
+        x = x / math.sqrt(shape[-2])  # [E, in, out]: x @ W
     elif "embed_tokens" in name:
         # Tied: a large embedding would dominate the residual, and h . e_x then
         # makes every token predict itself (greedy repeats one token forever).
