@@ -4,7 +4,7 @@ They come from `deploy/config.yaml` (`applications[].args`) or from the command 
 (`serve run serve_app.app:build_app model=... max_batch_size=8`), where every value
 arrives as a string: pydantic's lax mode turns "8" into 8 and "true" into True.
 
-One declaration per knob: the engine's are `EngineConfig`'s fields (engine/config.py), taken
+One declaration per knob: the engine's are `EngineConfig`'s fields (engine/config/engine.py), taken
 here by name, type and default; the live knobs' initial values are `BatchingConfig`'s and
 `StreamingConfig`'s fields below. `AppArgs` declares only what is the app's own.
 """

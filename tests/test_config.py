@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, ModelConfig, _layer_types
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, ModelConfig
+from engine.config.sliding_window import read_layer_types
 
 
 def model_config(torch_dtype: str = "float32", max_position_embeddings: int = 4096) -> ModelConfig:
@@ -97,7 +98,7 @@ def test_importing_the_config_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# -- RoPE: both config forms, per-layer-type RoPE, partial rotary (engine.config._rope_scaling) --
+# -- RoPE: both config forms, per-layer-type RoPE, partial rotary (engine.config.rope.read_rope) --
 
 def _hf(**kw) -> dict:
     return dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, num_hidden_layers=2,
@@ -172,7 +173,7 @@ def test_phi3_sliding_window_on_every_layer_inside_the_context():
     assert ModelConfig.from_hf_dict(dict(phi3, sliding_window=262144)).layer_types is None
 
 
-# -- sliding window: which layers slide, in both config forms (engine.config._layer_types) --------
+# -- sliding window: which layers slide, in both config forms (engine.config.sliding_window.read_layer_types) --------
 
 S, F = "sliding_attention", "full_attention"
 
@@ -218,7 +219,7 @@ def test_sliding_window_in_both_config_forms(hf, window, layer_types):
 ])
 def test_layer_types_of_each_family(arch, kw, expected):
     """As HF's config classes build layer_types from the older keys (checked against them)."""
-    assert _layer_types(dict(sliding_window=128, **kw), arch, 6) == expected
+    assert read_layer_types(dict(sliding_window=128, **kw), arch, 6) == expected
 
 
 def test_layer_types_equal_transformers_config_classes():
@@ -228,7 +229,7 @@ def test_layer_types_equal_transformers_config_classes():
                     ("Gemma2Config", {}), ("Gemma3TextConfig", dict(sliding_window_pattern=3))):
         hf = getattr(transformers, cls)(num_hidden_layers=6, sliding_window=64, **kw)
         arch = {"Qwen2Config": "Qwen2ForCausalLM", "Gemma2Config": "Gemma2ForCausalLM"}.get(cls, "Gemma3ForCausalLM")
-        assert _layer_types(dict(sliding_window=64, **kw), arch, 6) == hf.layer_types, cls
+        assert read_layer_types(dict(sliding_window=64, **kw), arch, 6) == hf.layer_types, cls
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -8,11 +8,12 @@ the Gemma 2 graph (engine/models/gemma2.py) with
 - five local layers to one global by default (`sliding_window_pattern`, or `layer_types`);
 - no soft caps unless config.json sets them.
 
-The multimodal Gemma3ForConditionalGeneration is refused at start (engine/config.py).
+The multimodal Gemma3ForConditionalGeneration is refused at start (engine/config/model.py).
 """
 from __future__ import annotations
 
-from engine.config import ModelConfig, _layer_types
+from engine.config import ModelConfig
+from engine.config.sliding_window import read_layer_types
 from engine.models.gemma2 import Gemma2ForCausalLM
 
 
@@ -24,5 +25,5 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def local_layers(config: ModelConfig) -> list[bool]:
         """HF gives a sliding_attention layer the local RoPE even where its window covers the whole
         context (which ModelConfig then drops): read the layer types as HF builds them."""
-        types = config.layer_types or _layer_types(config.hf_config, config.architecture, config.num_hidden_layers)
+        types = config.layer_types or read_layer_types(config.hf_config, config.architecture, config.num_hidden_layers)
         return [t == "sliding_attention" for t in types or ["full_attention"] * config.num_hidden_layers]

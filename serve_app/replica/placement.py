@@ -17,7 +17,7 @@ logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in 
 def resolve_device(device: str) -> str:
     """Where replicas go: 'auto' is 'cuda' when the Ray cluster has GPUs, else 'cpu' (decided
     where the app is built, from cluster resources). Not the engine's device rule: each
-    replica's engine resolves its own config in `EngineConfig.resolve` (engine/config.py)."""
+    replica's engine resolves its own config in `EngineConfig.resolve` (engine/config/engine.py)."""
     if device != "auto":
         return device
     try:

@@ -1,0 +1,149 @@
+"""EngineConfig: the engine's knobs, as vLLM names them, and the one place "auto" is decided."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import check_int as _positive
+
+if TYPE_CHECKING:
+    from engine.config.model import ModelConfig
+
+# The valid concrete values; each EngineConfig field also takes "auto".
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names: getattr(torch, name)
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("triton", "torch")     # engine/layers/attention.py loads their kernels
+# Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
+# Pages are only touched when used, so an unused budget costs address space, not RAM.
+DEFAULT_CPU_KV_CACHE_GB = 4.0
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs, as vLLM names them. `model` is a local directory (or a hub id resolved by the loader).
+
+    Each field is also an arg of the Serve app under its name (serve_app/args.py reads them), so a
+    new knob needs a type pydantic can parse from a string and its check in __post_init__.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on CPU
+    max_model_len: int | None = None            # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None            # None: from gpu_memory_utilization / cpu_kv_cache_gb
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = DEFAULT_CPU_KV_CACHE_GB
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    # Overlapped scheduling: plan and launch step N+1 before step N's tokens are read back.
+    # None: on for CUDA with tensor_parallel_size 1 (on CPU the forward is synchronous, so there
+    # is nothing to overlap). True with tensor_parallel_size > 1 is refused.
+    async_scheduling: bool | None = None
+    # A reasoning model's parser (vLLM's --reasoning-parser: "qwen3", "deepseek_r1"; engine/reasoning):
+    # a request's structured output then constrains only the answer, from the token after the thinking ends.
+    reasoning_parser: str | None = None
+    distributed_init_method: str | None = None  # "tcp://host:port" for TP workers; None picks a free local port
+    worker_start_timeout_s: float = 120.0       # a TP worker not up by then fails start-up, naming its rank
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, ("auto",) + DTYPES)
+        _choice("device", self.device, ("auto",) + DEVICES)
+        _choice("attention_backend", self.attention_backend, ("auto",) + ATTENTION_BACKENDS)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("block_size", self.block_size)
+        if self.block_size % 8 or self.block_size > 256:
+            raise ValueError(f"block_size={self.block_size} is invalid: must be a multiple of 8 and <= 256")
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: must be in (0, 1]")
+        if not self.worker_start_timeout_s > 0:
+            raise ValueError(f"worker_start_timeout_s={self.worker_start_timeout_s} is invalid: must be > 0")
+        if self.cpu_kv_cache_gb <= 0:
+            raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb} is invalid: must be > 0")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: choose True, False or None")
+        if self.reasoning_parser is not None:
+            _check_reasoning_parser(self.reasoning_parser)
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
+
+    def resolve(self, model_config: ModelConfig) -> EngineConfig:
+        """A copy with every "auto" and None default decided for this machine and model.
+
+        The one place they are decided: LLMEngine calls it once, and the executors, TP workers,
+        model runner and attention layers read only its result (device "cpu" / "cuda", a name
+        in DTYPES, a name in ATTENTION_BACKENDS), so no two stages can decide differently.
+        Raises ValueError for device="cuda" without CUDA and for max_model_len over the model's.
+        """
+        device = _resolve_device(self.device)
+        on_cuda = device == "cuda"
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{model_config.max_position_embeddings}")
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = on_cuda and self.tensor_parallel_size == 1
+        return dataclasses.replace(
+            self, device=device, dtype=_resolve_dtype(self.dtype, on_cuda, model_config.torch_dtype),
+            attention_backend=_resolve_attention_backend(self.attention_backend, on_cuda),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_cuda else 2048),
+            async_scheduling=async_scheduling)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every value `resolve` decides is concrete (stages check it before reading them)."""
+        return ("auto" not in (self.device, self.dtype, self.attention_backend)
+                and None not in (self.max_model_len, self.max_num_batched_tokens, self.async_scheduling))
+
+
+def _resolve_device(device: str) -> str:
+    import torch  # here, not at the top: the HTTP tier imports this module without torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
+    return device
+
+
+def _resolve_dtype(dtype: str, on_cuda: bool, checkpoint_dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if not on_cuda:
+        return "float32"  # CPU bf16 matmuls are slower than fp32 on most hosts
+    # On GPU: the checkpoint's half type if it has one, else bf16.
+    return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+def _resolve_attention_backend(backend: str, on_cuda: bool) -> str:
+    if backend != "auto":
+        return backend  # "triton" on CPU runs under TRITON_INTERPRET=1 (tests only)
+    return "triton" if on_cuda else "torch"  # "torch": the CPU path (kernels/cpu_attention.py)
+
+
+def _check_reasoning_parser(name: Any) -> None:
+    from engine.reasoning import get_reasoning_parser  # torch-free, like this module
+
+    try:
+        get_reasoning_parser(name)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"reasoning_parser={name!r} is invalid: {e}") from None
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid: choose one of {choices}")
