@@ -82,6 +82,8 @@ def test_layer_loads_fused_tensors_and_runs_packed_on_cpu():
     layer.weight_loader(layer.down_proj, w2)
     layer.process_weights_after_loading()
     assert layer.packed_experts is not None and len(layer.packed_experts) == 4  # oneDNN, as the runner packs linears
+    for dense in (layer.gate_up_proj, layer.down_proj):  # freed, not held beside the packed copies
+        assert dense.shape[0] == 4 and dense.untyped_storage().nbytes() == dense.element_size()
     x, logits = torch.randn(9, 16, generator=g), torch.randn(9, 4, generator=g)
     weights, ids = select_experts(logits, 2, renormalize=False)
     torch.testing.assert_close(layer(x, logits), fused_moe_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)

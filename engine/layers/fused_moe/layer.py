@@ -126,6 +126,10 @@ class FusedMoE(nn.Module):
         if can_pack(self.gate_up_proj[0]) and can_pack(self.down_proj[0]):
             self.packed_experts = [(pack(self.gate_up_proj[e]), pack(self.down_proj[e]))
                                    for e in range(self.num_experts)]
+            # The packed copies are the weights now: the dense ones are freed, as cpu_gemm frees a
+            # linear's, keeping only their shape (one element, zero strides) for the kernels' checks.
+            for param in (self.gate_up_proj, self.down_proj):
+                param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
 
     def _packed_linear(self, x: torch.Tensor, expert: int, proj: int) -> torch.Tensor:
         return packed_linear(x, self.packed_experts[expert][proj], None)
