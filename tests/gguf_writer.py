@@ -19,11 +19,12 @@ from safetensors.numpy import load_file, save_file
 
 _ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
           "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
-          "Qwen3MoeForCausalLM": "qwen3moe"}
+          "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 # One expert's projection in an HF checkpoint: `...experts.3.w1.weight`.
 _EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
 # convert_hf_to_gguf.py keeps these in F32 whatever the file's type (the routers).
 _F32_TENSORS = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")
+_GEMMA_ARCHS = ("gemma2", "gemma3")
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -57,8 +58,14 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:  # e.g. a dense MLP in a qwen2moe (llama.cpp has no tensor for it)
             raise ValueError(f"llama.cpp's {arch} has no tensor for {name}")
-        data, stored[name] = ((array, array) if array.ndim == 1 or qtype == GGMLQuantizationType.F32
-                              or gguf_name.endswith(_F32_TENSORS) else quantize_roundtrip(array, qtype))
+        if arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
+            # Gemma2Model / Gemma3Model: llama.cpp's RMSNorm multiplies by w, so 1 is added here;
+            # the weights the file holds are then (w + 1) - 1, computed in float32.
+            data = array + np.float32(1)
+            data, stored[name] = data, data - np.float32(1)
+        else:
+            data, stored[name] = ((array, array) if array.ndim == 1 or qtype == GGMLQuantizationType.F32
+                                  or gguf_name.endswith(_F32_TENSORS) else quantize_roundtrip(array, qtype))
         if arch == "llama" and ".q_proj." in name:
             data = llama_cpp_permute(data, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
@@ -69,6 +76,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=GGMLQuantizationType.F
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     if arch == "phi3":
         _add_phi3_rope(writer, config)
+    elif arch in _GEMMA_ARCHS:
+        _add_gemma(writer, arch, config)
     for gguf_name, array in (extra or {}).items():
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
@@ -142,6 +151,36 @@ def _add_phi3_rope(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
+def _add_gemma(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    """Gemma2Model / Gemma3Model's metadata: the soft caps (Gemma 3: the final one only, when set)
+    and the window; Gemma 3's global RoPE scaling. What llama.cpp hard-codes instead of reading
+    (the attention scale, which layers slide, Gemma 3's local RoPE base) is checked here, since a
+    checkpoint that differs would silently run as another model."""
+    layers, heads, head_dim = config["num_hidden_layers"], config["num_attention_heads"], config["head_dim"]
+    scale = config["hidden_size"] // heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
+    if config.get("query_pre_attn_scalar", 256) != scale:
+        raise ValueError(f"llama.cpp's {arch} scales attention by {scale} ** -0.5, not query_pre_attn_scalar "
+                         f"{config.get('query_pre_attn_scalar')}")
+    pattern = 2 if arch == "gemma2" else 6
+    expected = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if config.get("layer_types", expected) != expected:
+        raise ValueError(f"llama.cpp's {arch} slides all but every {pattern}th layer, not {config['layer_types']}")
+    writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        return
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    rope = config["rope_parameters"]
+    if rope["sliding_attention"]["rope_theta"] != 10000.0:
+        raise ValueError("llama.cpp's gemma3 rotates local layers with a base of 10000, not "
+                         f"{rope['sliding_attention']['rope_theta']}")
+    if rope["full_attention"].get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+
+
 def save_as_hf(hf_dir: str | Path, weights: dict[str, np.ndarray], out: str | Path) -> Path:
     """A copy of the checkpoint in `hf_dir` with `weights` in place of its own (the HF reference
     for a quantized GGUF: HF run on the weights the GGUF really holds)."""
@@ -168,7 +207,8 @@ def _add_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     # Phi3MiniModel counts the rotated features from the hidden size: int(factor * hidden) // heads
     writer.add_rope_dimension_count(int(config["partial_rotary_factor"] * config["hidden_size"])
                                     // config["num_attention_heads"] if "partial_rotary_factor" in config else head_dim)
-    writer.add_rope_freq_base(config["rope_theta"])
+    if config["architectures"][0] != "Gemma2ForCausalLM":  # Gemma2Model writes none (10000 then)
+        writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     # TextModel.set_gguf_parameters and Qwen2MoeModel's: the experts and their widths

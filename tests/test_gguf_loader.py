@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
@@ -148,11 +149,14 @@ def test_tensor_names():
     assert hf_name("blk.2.ffn_down_shexp.weight") == "model.layers.2.mlp.shared_expert.down_proj.weight"
     assert hf_name("blk.1.attn_qkv.weight", "phi3") == "model.layers.1.self_attn.qkv_proj.weight"
     assert hf_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"  # [gate | up]
+    assert hf_name("blk.1.ffn_norm.weight", "gemma2") == "model.layers.1.pre_feedforward_layernorm.weight"
+    assert hf_name("blk.1.post_attention_norm.weight", "gemma3") == "model.layers.1.post_attention_layernorm.weight"
+    assert hf_name("blk.1.post_ffw_norm.weight", "gemma3") == "model.layers.1.post_feedforward_layernorm.weight"
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    _write_one_tensor(tmp_path / "g.gguf", "gemma2", "token_embd.weight", np.zeros((4, 32), np.float32), None)
-    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not supported"):
+    _write_one_tensor(tmp_path / "g.gguf", "mamba", "token_embd.weight", np.zeros((4, 32), np.float32), None)
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported"):
         resolve_model_path(str(tmp_path / "g.gguf"))
 
 
@@ -284,3 +288,49 @@ def test_stacked_experts_need_a_moe_model(tmp_path):
     model.config = type("Config", (), {"tie_word_embeddings": False})()
     with pytest.raises(ValueError, match=r"unexpected tensors \['blk.0.ffn_up_exps.weight'\]"):
         load_gguf_weights(model, tmp_path / "e.gguf")
+
+
+# Gemma checkpoints as a GGUF can hold them: llama.cpp scales attention by head_dim ** -0.5 (the
+# file's key_length) and gives Gemma 3 five local layers to one global whatever the checkpoint
+# said, so the tiny models use those (the writer refuses others).
+_GEMMA_OVERRIDES = {"gemma2": dict(query_pre_attn_scalar=16),
+                    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, sliding_window_pattern=6)}
+_GEMMA_KEYS = ("architectures", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
+               "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation", "tie_word_embeddings")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_checkpoint(tmp_path_factory):
+    """arch -> its tiny checkpoint (windows of 16; gemma2's soft caps 5 / 15), built on first use."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            out = tmp_path_factory.mktemp(f"gguf-{arch}")
+            built[arch] = make_tiny_model(out, arch=arch, seed=0, **_GEMMA_OVERRIDES[arch])
+        return built[arch]
+    return get
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", list(_GEMMA_OVERRIDES))
+def test_gemma_gguf_equals_hf_on_dequantized_weights(arch, qtype, tiny_gemma_checkpoint, tmp_path):
+    """llama.cpp's `gemma2` / `gemma3`: the four norms a layer (and Gemma 3's q/k norms) stored as
+    1 + w, the soft caps and the window in the metadata, Gemma 3's global RoPE as rope.freq_base
+    with its linear scaling and the local one not in the file at all. Greedy tokens equal HF's on
+    the weights the file holds for a prompt of eight windows, and the HF view's config (the layers
+    that slide, the scale, the caps, both RoPEs) equals the checkpoint's."""
+    hf_path = tiny_gemma_checkpoint(arch)
+    stored = write_gguf(hf_path, tmp_path / "model.gguf", qtype)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "model.gguf").tensors}
+    assert "output.weight" not in tensors  # tied
+    hf_norm = load_file(hf_path / "model.safetensors")["model.layers.0.post_feedforward_layernorm.weight"]
+    np.testing.assert_allclose(tensors["blk.0.post_ffw_norm.weight"].data, hf_norm + 1, rtol=0, atol=1e-6)
+    reference = save_as_hf(hf_path, stored, tmp_path / "hf-dequantized")
+    _check_greedy(tmp_path / "model.gguf", reference, lens=(7, 130))
+    view_dir = resolve_model_path(str(tmp_path / "model.gguf"))
+    view = json.loads((view_dir / "config.json").read_text())
+    theirs = json.loads((hf_path / "config.json").read_text())
+    assert {k: view.get(k) for k in _GEMMA_KEYS} == {k: theirs.get(k) for k in _GEMMA_KEYS}
+    ours, hf = ModelConfig.from_pretrained(view_dir), ModelConfig.from_pretrained(hf_path)
+    assert (ours.rope_theta, ours.rope_scaling, ours.rope_local) == (hf.rope_theta, hf.rope_scaling, hf.rope_local)

@@ -31,10 +31,17 @@ GGUF_LINK = "model.gguf"
 # GGUF `general.architecture` -> the HF architecture our engine runs it as.
 # (llama.cpp writes Mistral checkpoints as "llama" too, and Mixtral as "llama" with experts.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # Whether llama.cpp renormalizes the top-k routing weights when the file does not say
 # (`{arch}.expert_weights_norm`): its qwen2moe graph does not, qwen3moe's and Mixtral's do.
 _MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+# What llama.cpp hard-codes for Gemma rather than reading it from the file: every Nth layer is a
+# global one (the rest slide), and the layer count (the 27B models) at which the attention scale
+# is hidden_size / heads instead of head_dim (its f_attention_scale).
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
 # Tensor types we dequantize (with gguf.quants.dequantize, llama.cpp's reference in numpy).
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                           "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -123,6 +130,8 @@ def _write_view(gguf_path: Path, out: Path) -> None:
         _phi3_rope(reader, config)
     elif arch in _MOE_NORM_TOPK:
         _qwen_moe(reader, arch, config)
+    elif arch in _GEMMA_SLIDING_PATTERN:
+        _gemma(reader, arch, config)
     elif arch == "llama" and _field(reader, "llama.expert_count"):
         config = _mixtral(reader, config)
     config.save_pretrained(out)
@@ -170,6 +179,36 @@ def _qwen_moe(reader, arch: str, config) -> None:
     config.decoder_sparse_step = 1
     config.mlp_only_layers = []
     config.norm_topk_prob = bool(_field(reader, f"{arch}.expert_weights_norm", _MOE_NORM_TOPK[arch]))
+
+
+def _gemma(reader, arch: str, config) -> None:
+    """What transformers' GGUF config leaves out or gets wrong for `gemma2` / `gemma3`, as llama.cpp's
+    graph reads the file: the attention scale (query_pre_attn_scalar: attention.key_length, or
+    hidden_size / heads for the 27B models), the soft caps (gemma2: 50 and 30 unless the file says;
+    gemma3: a final cap only when the file has one), which layers slide (llama.cpp's fixed pattern;
+    none without a window), and Gemma 3's two RoPEs: rope.freq_base with its linear scaling for the
+    global layers, a base of 10000 for the local ones (not in the file: llama.cpp hard-codes it)."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    config.query_pre_attn_scalar = (config.hidden_size // heads if layers == _GEMMA_27B_LAYERS[arch]
+                                    else int(_field(reader, f"{arch}.attention.key_length")))
+    config.hidden_activation = "gelu_pytorch_tanh"
+    window = _field(reader, f"{arch}.attention.sliding_window") or None
+    pattern = _GEMMA_SLIDING_PATTERN[arch]
+    config.sliding_window = int(window) if window else None
+    config.layer_types = ["sliding_attention" if window and (i + 1) % pattern else "full_attention"
+                          for i in range(layers)]
+    final_cap = _field(reader, f"{arch}.final_logit_softcapping")
+    if arch == "gemma2":
+        config.attn_logit_softcapping = float(_field(reader, "gemma2.attn_logit_softcapping", 50.0))
+        config.final_logit_softcapping = float(30.0 if final_cap is None else final_cap)
+        return
+    config.attn_logit_softcapping = None
+    config.final_logit_softcapping = float(final_cap) if final_cap else None
+    full = {"rope_type": "default", "rope_theta": float(_field(reader, "gemma3.rope.freq_base", 10000.0))}
+    if _field(reader, "gemma3.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(_field(reader, "gemma3.rope.scaling.factor")))
+    config.rope_parameters = {"full_attention": full,
+                              "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}}
 
 
 def _mixtral(reader, config):

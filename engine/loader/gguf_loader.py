@@ -60,10 +60,17 @@ _BLOCK_NAMES = {
 # a model's expert_params_mapping maps its per-expert checkpoint projection to.
 _EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
 _EXPERT_PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", None)}
-# Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved
-# (GPT-J style) RoPE; Qwen2/Qwen3 use NeoX RoPE in llama.cpp and are stored as in HF.
 # Per architecture: llama.cpp names whose HF module differs (phi3 keeps HF's fused tensors).
-_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Gemma: four norms a layer, llama.cpp's ffn_norm being the pre-MLP one.
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+# llama.cpp's RMSNorm multiplies by w, so its converter stores Gemma's (1 + w) norms with the 1
+# added; our GemmaRMSNorm keeps HF's w and adds the 1 itself.
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+# Architectures whose Q/K rows llama.cpp's converter permutes for its interleaved
+# (GPT-J style) RoPE; Qwen2/Qwen3 and Gemma use NeoX RoPE in llama.cpp and are stored as in HF.
 _PERMUTED_ARCHS = ("llama",)
 _ROPE_FREQS = "rope_freqs.weight"
 # Read into the config by the HF view (engine.loader.gguf_config), not into parameters.
@@ -109,6 +116,8 @@ def _hf_tensor(tensor, name: str, arch: str, config) -> torch.Tensor:
         array = unpermute_rows(array, config.num_attention_heads)
     elif arch in _PERMUTED_ARCHS and ".self_attn.k_proj." in name:
         array = unpermute_rows(array, config.num_key_value_heads)
+    elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+        array -= np.float32(1)
     elif name.endswith(".shared_expert_gate.weight") and array.ndim == 1:  # [H] as some files hold it: HF's [1, H]
         array = array[None]
     return torch.from_numpy(array)
