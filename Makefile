@@ -52,7 +52,7 @@ serve: setup $(DEMO_GGUF)
 # pytest-xdist workers (`-n 2 --dist loadgroup`, grouped in tests/conftest.py) saturate 2 cores
 # and slow the Ray tests as much as they save (docs/benchmarks.md, "The test suite's time").
 test: setup
-	$(BIN)/python -X faulthandler -m pytest -q --durations=25
+	$(BIN)/python -X faulthandler -m pytest -q -n 2 --dist loadgroup --durations=25
 
 bench: setup
 	$(BIN)/python -m loadtest.offline
