@@ -47,12 +47,10 @@ serve: setup $(DEMO_GGUF)
 	$(SERVE_ENV) $(BIN)/rayllm serve $(DEMO_MODEL) $(if $(SERVE_ENV),,--python-proxy) \
 		--dtype float32 --max-num-seqs 64 --max-model-len 2048 $(SERVE_FLAGS)
 
-# -X faulthandler: a crash, even at exit after pytest's summary, prints every thread's stack.
-# --durations: the slowest tests, to keep the suite's time in view on 2 cores. One process: two
-# pytest-xdist workers (`-n 2 --dist loadgroup`, grouped in tests/conftest.py) saturate 2 cores
-# and slow the Ray tests as much as they save (docs/benchmarks.md, "The test suite's time").
+# The suite as two pytest processes side by side, the Ray tests and the rest (tests/run_suite.py:
+# -X faulthandler, --durations, one exit status; docs/benchmarks.md, "The test suite's time").
 test: setup
-	$(BIN)/python -X faulthandler -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(BIN)/python tests/run_suite.py
 
 bench: setup
 	$(BIN)/python -m loadtest.offline

@@ -15,6 +15,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Beside the Ray tests (tests/run_suite.py), the rest computes on fewer threads.
+if os.environ.get("RAYLLM_TEST_TORCH_THREADS"):
+    torch.set_num_threads(int(os.environ["RAYLLM_TEST_TORCH_THREADS"]))
+
 from engine.tools.tiny_model import make_tiny_model  # noqa: E402
 
 
@@ -99,35 +103,18 @@ def own_ray_cluster(shared_cluster) -> None:
     shared_cluster.stop()
 
 
-RAY_GROUP = "ray"  # the xdist group of every test on a Ray cluster: one worker runs them all, in order
-
-
 def pytest_collection_modifyitems(items):
     """Tests that start a Ray cluster of their own run last (in their order), so that the shared one
-    is started once and stopped once. Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every
-    test on a Ray cluster is in one xdist group, so one worker runs them all in that order, on one
-    cluster at a time, while the other worker runs the rest."""
+    is started once and stopped once."""
     items.sort(key=lambda item: "own_ray_cluster" in getattr(item, "fixturenames", ()))
-    for item in items:
-        names = getattr(item, "fixturenames", ())
-        if "own_ray_cluster" in names or "ray_cluster" in names:
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread_beside_the_ray_tests(request):
-    """Under xdist, a test outside the Ray group computes on one thread: the Ray tests' replicas and
-    engine processes, on the other worker, keep a core (with two threads each, the workers' in-process
-    engines took both cores and slowed the Ray tests by as much as running beside them saved)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ or request.node.get_closest_marker("xdist_group"):
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def pytest_itemcollected(item):
+    """Every test on a Ray cluster is marked `ray`: `make test` (tests/run_suite.py) runs `-m ray` and
+    `-m "not ray"` as two pytest processes side by side."""
+    names = getattr(item, "fixturenames", ())
+    if "own_ray_cluster" in names or "ray_cluster" in names:
+        item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session", autouse=True)
