@@ -125,3 +125,33 @@ def test_triton_backend_equals_hf(mistral_window7):
     assert llm.llm_engine.executor.runner.attention_backend == "triton"
     prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens=[23, 70])
     _check_against_hf(path, llm, prompts, max_tokens=6)
+
+
+@pytest.mark.parametrize("checkpoint", ["mistral_window16", "mistral_window7"])
+def test_every_layer_sliding_holds_a_window_of_blocks(checkpoint, request):
+    """Mistral: the one pool is a sliding one, so a 200-token generation after a 90-token prompt
+    holds W / bs + 2 blocks while decoding (block 0 is the placeholder of the freed ones)."""
+    from engine import SamplingParams
+    from engine.core.block_manager import NULL_BLOCK_ID
+    from tests.hf_reference import assert_matches
+
+    path = request.getfixturevalue(checkpoint)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=40)
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    assert bm.sliding_window == engine.model_config.sliding_window
+    prompt = _prompts(engine.model_config.vocab_size, lens=[90], seed=2)[0]
+    engine.add_request("long", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    num_checks, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        for seq in engine.scheduler.running:
+            if seq.num_computed_tokens > seq.num_prompt_tokens + 1:
+                held = sum(b != NULL_BLOCK_ID for b in seq.block_table)
+                assert held <= bm.sliding_window // bm.block_size + 2, seq.block_table
+                num_checks += 1
+    assert num_checks > 150
+    assert_matches(out.outputs[0].token_ids, hf_greedy(path, prompt, 200), "290 tokens")
+    bm.check_no_leak()

@@ -88,6 +88,11 @@ class ModelRunner:
         attn = self.attn_layers[0]
         return (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of every layer's K and V cache tensors, all groups together."""
+        return sum(t.numel() * t.element_size() for a in self.attn_layers for t in (a.k_cache, a.v_cache))
+
     def _bytes_per_layer_block(self) -> int:
         return 2 * math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
 
