@@ -155,3 +155,21 @@ def test_every_layer_sliding_holds_a_window_of_blocks(checkpoint, request):
     assert num_checks > 150
     assert_matches(out.outputs[0].token_ids, hf_greedy(path, prompt, 200), "290 tokens")
     bm.check_no_leak()
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 2])  # 2: a sibling waits while its source moves on
+def test_n_siblings_share_or_recompute_the_window(mistral_window16, max_num_seqs):
+    """n = 3 greedy completions of a 7-window prompt: a sibling shares its source's prompt blocks
+    while the source still holds the sibling's first window, else computes alone; all equal HF."""
+    from engine import SamplingParams
+    from tests.hf_reference import assert_matches
+
+    llm = LLM(mistral_window16, dtype="float32", device="cpu", max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=40)
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[120], seed=7)[0]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    ref = hf_greedy(mistral_window16, prompt, 30)
+    for c in out.outputs:
+        assert_matches(c.token_ids, ref, f"completion {c.index}")
+    llm.llm_engine.block_manager.check_no_leak()
