@@ -245,3 +245,157 @@ def test_a_share_whose_allocation_fails_and_is_retried_counts_once():
     assert bm.share_prefix(src, dst) == 8 and bm.allocate_slots(dst, 2)
     assert bm.allocate_slots(dst, 1)  # later growth of the same sequence counts nothing more
     assert (bm.num_queried_tokens, bm.num_hit_tokens) == (20, 8)
+
+
+# -- sliding-window pools and KV cache groups (engine.core.kv_cache_groups) -------------------
+from engine.core.block_manager import NULL_BLOCK_ID  # noqa: E402
+from engine.core.kv_cache_groups import HybridBlockManager, KVCacheGroup, make_block_manager  # noqa: E402
+
+
+def decode(bm, seq: Sequence, token: int = 1) -> None:
+    """One decode step: allocate for the next position, then pretend it ran and sampled `token`."""
+    assert bm.allocate_slots(seq, 1)
+    seq.num_computed_tokens += 1
+    seq.append_token(token)
+    bm.cache_full_blocks(seq)
+
+
+def test_sliding_pool_frees_blocks_behind_the_window():
+    # W = 8, bs = 4: a decode at position p sees p - 7 .. p.
+    bm = BlockManager(num_blocks=6, block_size=BS, sliding_window=8)
+    assert list(bm.free_block_ids) == [1, 2, 3, 4, 5, 6]  # block 0 is the null block, never handed out
+    a = make_seq(range(14))
+    admit(bm, a)
+    assert a.block_table == [1, 2, 3, 4]
+    compute(bm, a)
+    decode(bm, a)  # position 14 sees 7..14: block 0 (positions 0-3) goes back
+    assert a.block_table == [NULL_BLOCK_ID, 2, 3, 4] and bm.ref_counts[1] == 0
+    for _ in range(6):
+        decode(bm, a)  # up to position 20, which sees 13..20
+    assert a.block_table == [NULL_BLOCK_ID, NULL_BLOCK_ID, NULL_BLOCK_ID, 4, 5, 6]
+    bm.check_invariants([a])
+    # Freed blocks kept their hashes (LRU, at the back); a block freed unregistered would go first.
+    assert list(bm.free_block_ids) == [1, 2, 3]
+    bm.free(a)
+    bm.check_no_leak()
+
+
+def test_sliding_pool_holds_a_window_however_long_the_sequence():
+    W = 16
+    bm = BlockManager(num_blocks=8, block_size=BS, sliding_window=W)
+    a = make_seq(range(20))
+    admit(bm, a)
+    compute(bm, a)
+    for i in range(200):
+        decode(bm, a, token=i)
+        held = [b for b in a.block_table if b != NULL_BLOCK_ID]
+        assert len(held) <= W // BS + 2, (i, a.block_table)
+    bm.free(a)
+    bm.check_no_leak()
+
+
+def test_sliding_cache_hit_needs_only_the_last_window():
+    bm = BlockManager(num_blocks=12, block_size=BS, sliding_window=8)
+    a = make_seq(range(24))
+    admit(bm, a)
+    compute(bm, a)  # 6 blocks, all registered
+    bm.free(a)
+    first_block = bm.cached_block_ids[a.block_hashes[0]]
+    # Evict the first block only: a later sequence's window never reaches it.
+    bm.free_block_ids.move_to_end(first_block, last=False)
+    filler = make_seq(range(500, 504))
+    admit(bm, filler)
+    assert filler.block_table == [first_block]
+    b = make_seq(list(range(24)) + [99])
+    # P = 24 sees 17..23: blocks 4 and 5 are cached, so the hit is all 24 tokens.
+    assert admit(bm, b) == 24
+    assert b.block_table[:4] == [NULL_BLOCK_ID] * 4
+    assert b.block_table[4:6] == [bm.cached_block_ids[h] for h in b.block_hashes[4:6]]
+    # A full-attention pool needs block 0: no hit at all.
+    full = BlockManager(num_blocks=12, block_size=BS)
+    assert full.get_computed_blocks(make_seq(range(25))) == 0
+    bm.free(b)
+    bm.free(filler)
+    bm.check_no_leak()
+
+
+def test_sliding_cache_hit_stops_where_the_window_has_a_hole():
+    bm = BlockManager(num_blocks=12, block_size=BS, sliding_window=8)
+    a = make_seq(range(24))
+    admit(bm, a)
+    compute(bm, a)
+    bm.free(a)
+    hole = bm.cached_block_ids[a.block_hashes[4]]  # positions 16..19
+    bm.free_block_ids.move_to_end(hole, last=False)
+    filler = make_seq(range(500, 504))
+    admit(bm, filler)
+    # P = 24 needs blocks 4, 5 (hole); P = 20 needs blocks 3, 4 (hole); P = 16 needs 2, 3: hit.
+    assert bm.get_computed_blocks(make_seq(list(range(24)) + [7])) == 16
+
+
+def hybrid(num_blocks=16, window=8, **kw) -> HybridBlockManager:
+    groups = [KVCacheGroup((0, 2), None), KVCacheGroup((1, 3), window)]
+    return make_block_manager(groups, num_blocks, BS, True, max_num_seqs=2, max_num_batched_tokens=8, **kw)
+
+
+def test_hybrid_pools_sizes_and_one_table_each():
+    bm = hybrid()
+    full, sliding = bm.pools
+    # The sliding pool holds at most cdiv(W - 1 + 8, 4) + 1 = 5 blocks for each of 2 sequences.
+    assert (full.num_blocks, sliding.num_blocks, sliding.num_block_ids) == (16, 10, 11)
+    a = make_seq(range(30))
+    admit(bm, a)
+    compute(bm, a)
+    decode(bm, a)
+    assert a.block_table == list(range(8))
+    assert a.block_tables[1] == [NULL_BLOCK_ID] * 5 + [6, 7, 8]  # position 30 sees 23..30
+    bm.check_invariants([a])
+    bm.free(a)
+    bm.check_no_leak()
+
+
+def test_hybrid_allocation_is_all_or_nothing():
+    bm = hybrid(num_blocks=16)  # the sliding pool gets 10
+    full, sliding = bm.pools
+    a, b = make_seq(range(30)), make_seq(range(100, 112))
+    assert bm.allocate_slots(a, 30)  # 8 blocks in each pool (nothing is behind a window yet)
+    assert not bm.allocate_slots(b, 12)  # 3 more: the full pool has 8 free, the sliding one 2
+    assert b.block_tables == [[], []] and full.get_num_free_blocks() == 8 and sliding.get_num_free_blocks() == 2
+    # Preemption frees both.
+    bm.free(a)
+    bm.check_no_leak()
+
+
+def test_hybrid_cache_hit_is_the_longest_both_pools_allow():
+    bm = hybrid(num_blocks=16)
+    full, sliding = bm.pools
+    a = make_seq(range(24))
+    admit(bm, a)
+    compute(bm, a)
+    bm.free(a)
+    # The sliding pool loses block 4 (positions 16..19): P = 24 and 20 lack a window; P = 16 does not.
+    hole = sliding.cached_block_ids[a.block_hashes[4]]
+    sliding.free_block_ids.move_to_end(hole, last=False)
+    filler = make_seq(range(500, 504))
+    assert sliding.allocate_slots(filler, 4) and filler.block_tables[1] == [hole]
+    b = make_seq(list(range(24)) + [7])
+    assert full.get_computed_blocks(b) == 24
+    assert admit(bm, b) == 16
+    assert b.block_table[:4] == [full.cached_block_ids[h] for h in b.block_hashes[:4]]
+    # P = 16 sees 9..15: blocks 2 and 3; blocks 0 and 1 are placeholders.
+    assert b.block_tables[1][:4] == [NULL_BLOCK_ID] * 2 + [sliding.cached_block_ids[h] for h in b.block_hashes[2:4]]
+    sliding.free(filler)
+    bm.free(b)
+    bm.check_no_leak()
+    assert bm.prefix_cache_hit_rate == full.prefix_cache_hit_rate
+
+
+def test_check_fits_names_the_group():
+    from engine.core.scheduler import Scheduler
+    from engine.errors import PromptTooLongError
+
+    bm = hybrid(num_blocks=4)
+    sched = Scheduler(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, block_manager=bm)
+    sched.check_fits(12, 4)  # 15 KV tokens: 4 blocks in the full pool, at most 4 in the sliding one
+    with pytest.raises(PromptTooLongError, match="KV cache group 0 has num_blocks=4"):
+        sched.check_fits(20, 4)

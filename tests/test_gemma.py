@@ -18,13 +18,15 @@ if not torch.cuda.is_available():
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from engine import LLM  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.core.block_manager import NULL_BLOCK_ID  # noqa: E402
+from engine.core.kv_cache_groups import sliding_blocks_per_seq  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.executor.network_utils import free_port  # noqa: E402
 from engine.executor.parallel_state import destroy_tp_group, init_tp_group  # noqa: E402
 from engine.layers.layernorm import GemmaRMSNorm  # noqa: E402
 from engine.tools.tiny_model import make_tiny_model  # noqa: E402
-from tests.hf_reference import hf_greedy, load_hf  # noqa: E402
+from tests.hf_reference import assert_matches, hf_greedy, load_hf  # noqa: E402
 from tests.test_llm import _check_against_hf, _prompts  # noqa: E402
 from tests.test_models import attach_kv_cache, hf_logits, load_our_model, run_step  # noqa: E402
 from tests.test_sliding_window import MAX_TOKENS, PROMPT_LENS, REGIMES  # noqa: E402
@@ -145,6 +147,63 @@ def test_tp2_logits_equal_tp1(tiny_gemma3, tmp_path):
     mp.spawn(_tp_worker, args=(free_port(), tiny_gemma3, tmp_path), nprocs=2, join=True)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), _prefill_and_decode(tiny_gemma3),
                                atol=1e-4, rtol=0)
+
+
+def _held(table: list[int]) -> int:
+    return sum(b != NULL_BLOCK_ID for b in table)
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [32, 256])
+def test_local_layers_hold_a_window_of_blocks_in_a_long_generation(tiny_gemma3, max_num_batched_tokens):
+    """A 100-token prompt then 150 tokens (~15 windows): the global layers keep every block, the
+    local layers' pool never holds more than a chunk and a window, and W / bs + 2 blocks while
+    decoding; tokens equal HF's and nothing leaks."""
+    llm = LLM(tiny_gemma3, dtype="float32", device="cpu", max_num_batched_tokens=max_num_batched_tokens)
+    engine = llm.llm_engine
+    full, sliding = engine.block_manager.pools
+    window, bs = sliding.sliding_window, sliding.block_size
+    prompt = _prompts(engine.model_config.vocab_size, lens=[100], seed=8)[0]
+    max_tokens = 150
+    engine.add_request("long", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    num_decode_checks, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        for seq in engine.scheduler.running:
+            assert _held(seq.block_tables[1]) <= sliding_blocks_per_seq(window, max_num_batched_tokens, bs)
+            assert len(seq.block_table) == len(set(seq.block_table))  # the full group frees nothing
+            assert NULL_BLOCK_ID not in seq.block_tables[1][-(window // bs):]
+            if seq.num_computed_tokens > seq.num_prompt_tokens + 1:
+                assert _held(seq.block_tables[1]) <= window // bs + 2, seq.block_tables[1]
+                num_decode_checks += 1
+    assert num_decode_checks > 100
+    assert_matches(out.outputs[0].token_ids, hf_greedy(tiny_gemma3, prompt, max_tokens), "250 tokens")
+    engine.block_manager.check_no_leak()
+
+
+def test_long_prefix_hits_equal_hf(tiny_gemma3):
+    """A 160-token prefix (10 windows) shared by later prompts: the hit is the longest the global
+    layers' blocks and the local layers' last window both allow."""
+    llm = LLM(tiny_gemma3, dtype="float32", device="cpu", enable_prefix_caching=True, max_num_batched_tokens=64)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prefix = _prompts(vocab, lens=[160], seed=5)[0]
+    family = [prefix + tail for tail in _prompts(vocab, lens=[3, 40], seed=6)]
+    _check_against_hf(tiny_gemma3, llm, family[:1], max_tokens=MAX_TOKENS)
+    outs = _check_against_hf(tiny_gemma3, llm, family[1:], max_tokens=MAX_TOKENS)
+    assert all(o.num_cached_tokens >= 160 for o in outs), [o.num_cached_tokens for o in outs]
+    llm.llm_engine.block_manager.check_no_leak()
+
+
+def test_tp2_engine_greedy_equals_hf(tiny_gemma3):
+    """The engine on 2 gloo ranks: the TP worker replays both groups' slots and block tables."""
+    llm = LLM(tiny_gemma3, device="cpu", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=40)
+    try:
+        prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens=PROMPT_LENS, seed=9)
+        _check_against_hf(tiny_gemma3, llm, prompts, max_tokens=MAX_TOKENS)
+        llm.llm_engine.block_manager.check_no_leak()
+    finally:
+        llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,7 +25,7 @@ def test_cpu_kv_cache_is_touched_only_when_used(tiny_llama):
     before = _rss_bytes()
     with LLM(tiny_llama, device="cpu", dtype="float32", cpu_kv_cache_gb=1.0, max_num_seqs=4096) as llm:
         runner = llm.llm_engine.executor.runner
-        kv_bytes = runner.num_kv_blocks * runner._bytes_per_block()
+        kv_bytes = runner.kv_cache_bytes
         assert kv_bytes > 0.9 * 2**30  # the whole budget was granted...
         grown = _rss_bytes() - before
         assert grown < 0.1 * kv_bytes, f"RSS grew {grown / 2**20:.0f} MiB for a {kv_bytes / 2**20:.0f} MiB cache"

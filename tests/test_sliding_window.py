@@ -73,15 +73,23 @@ def test_the_window_changes_the_tokens(tmp_path_factory, mistral_window7):
                for p in prompts)
 
 
+# Every layer slides: a sequence holds only its window's blocks once computed, so 14 blocks never
+# run out; 7 with chunks of 40 (at most 5 blocks a sequence, check_fits) do.
+SLIDING_ONLY_PREEMPTION = {"num_kv_blocks": 7, "max_num_batched_tokens": 40}
+
+
 @pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_greedy_equals_hf(checkpoint, regime, request):
     path = request.getfixturevalue(checkpoint)
-    llm = LLM(path, dtype="float32", device="cpu", **REGIMES[regime])
+    sliding_only = checkpoint.startswith("mistral")
+    config = SLIDING_ONLY_PREEMPTION if regime == "preemption" and sliding_only else REGIMES[regime]
+    llm = LLM(path, dtype="float32", device="cpu", **config)
     _check_against_hf(path, llm, _prompts(llm.llm_engine.model_config.vocab_size, lens=PROMPT_LENS),
                       max_tokens=MAX_TOKENS)
     if regime == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the tiny cache should have forced preemption"
+    llm.llm_engine.block_manager.check_no_leak()
 
 
 @pytest.mark.parametrize("checkpoint", ["mistral_window7", "qwen2_window"])
@@ -117,3 +125,51 @@ def test_triton_backend_equals_hf(mistral_window7):
     assert llm.llm_engine.executor.runner.attention_backend == "triton"
     prompts = _prompts(llm.llm_engine.model_config.vocab_size, lens=[23, 70])
     _check_against_hf(path, llm, prompts, max_tokens=6)
+
+
+@pytest.mark.parametrize("checkpoint", ["mistral_window16", "mistral_window7"])
+def test_every_layer_sliding_holds_a_window_of_blocks(checkpoint, request):
+    """Mistral: the one pool is a sliding one, so a 200-token generation after a 90-token prompt
+    holds W / bs + 2 blocks while decoding (block 0 is the placeholder of the freed ones)."""
+    from engine import SamplingParams
+    from engine.core.block_manager import NULL_BLOCK_ID
+    from tests.hf_reference import assert_matches
+
+    path = request.getfixturevalue(checkpoint)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=40)
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    assert bm.sliding_window == engine.model_config.sliding_window
+    prompt = _prompts(engine.model_config.vocab_size, lens=[90], seed=2)[0]
+    engine.add_request("long", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    num_checks, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        for seq in engine.scheduler.running:
+            if seq.num_computed_tokens > seq.num_prompt_tokens + 1:
+                held = sum(b != NULL_BLOCK_ID for b in seq.block_table)
+                assert held <= bm.sliding_window // bm.block_size + 2, seq.block_table
+                num_checks += 1
+    assert num_checks > 150
+    assert_matches(out.outputs[0].token_ids, hf_greedy(path, prompt, 200), "290 tokens")
+    bm.check_no_leak()
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 2])  # 2: a sibling waits while its source moves on
+def test_n_siblings_share_or_recompute_the_window(mistral_window16, max_num_seqs):
+    """n = 3 greedy completions of a 7-window prompt: a sibling shares its source's prompt blocks
+    while the source still holds the sibling's first window, else computes alone; all equal HF."""
+    from engine import SamplingParams
+    from tests.hf_reference import assert_matches
+
+    llm = LLM(mistral_window16, dtype="float32", device="cpu", max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=40)
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[120], seed=7)[0]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    ref = hf_greedy(mistral_window16, prompt, 30)
+    for c in out.outputs:
+        assert_matches(c.token_ids, ref, f"completion {c.index}")
+    llm.llm_engine.block_manager.check_no_leak()

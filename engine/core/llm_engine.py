@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_groups import kv_cache_groups, make_block_manager
 from engine.config import EngineConfig, ModelConfig
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -43,8 +43,12 @@ class LLMEngine:
         self.executor = _make_executor(config, self.model_config, model_path, self.eos_token_ids)
         # Workers and the process group go when the engine does, even if nobody calls shutdown().
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
-        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        # One pool per KV cache group (full layers, sliding layers); one BlockManager when alike.
+        self.block_manager = make_block_manager(
+            kv_cache_groups(self.model_config.layer_types, self.model_config.sliding_window,
+                            self.model_config.num_hidden_layers),
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len, block_manager=self.block_manager,

@@ -95,3 +95,8 @@ class ModelInput:
     # Always empty when steps run one after another (and so for TP workers).
     prev_token_rows: list[int] = field(default_factory=list)
     prev_token_src: list[int] = field(default_factory=list)
+    # KV cache groups after the first (a model with full and sliding layers: the sliding one),
+    # each with its own slot of each new token and block tables: [group - 1][num_tokens],
+    # [group - 1][num_seqs][max_blocks]. Empty for a model with one group.
+    group_slot_mappings: list[list[int]] = field(default_factory=list)
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 
 from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_groups import HybridBlockManager, blocks_needed
 from engine.errors import InvalidRequestError, PromptTooLongError, check_int
-from engine.math_utils import cdiv
 from engine.core.messages import ModelRunnerOutput, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 
@@ -38,7 +38,7 @@ MAX_PROMPT_LOGPROB_ROWS = 512
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_manager: BlockManager, eos_token_ids: list[int] | tuple[int, ...] = ()):
+                 block_manager: BlockManager | HybridBlockManager, eos_token_ids: list[int] | tuple[int, ...] = ()):
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
         check_int("max_model_len", max_model_len)
@@ -82,12 +82,13 @@ class Scheduler:
                                      f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len={self.max_model_len}")
         num_output = self.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
         # The last sampled token is never fed back, so it needs no KV slot.
-        num_kv_blocks = cdiv(num_prompt_tokens + num_output - 1, self.block_manager.block_size)
-        if num_kv_blocks > self.block_manager.num_blocks:
-            raise PromptTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({num_output}) needs {num_kv_blocks} KV blocks "
-                f"of {self.block_manager.block_size} tokens, but the whole cache has "
-                f"num_blocks={self.block_manager.num_blocks}")
+        needs = blocks_needed(self.block_manager, num_prompt_tokens + num_output - 1, self.max_num_batched_tokens)
+        for group, (num_kv_blocks, num_blocks) in enumerate(needs):
+            if num_kv_blocks > num_blocks:
+                where = "the whole cache has" if len(needs) == 1 else f"KV cache group {group} has"
+                raise PromptTooLongError(
+                    f"prompt ({num_prompt_tokens} tokens) + max_tokens ({num_output}) needs {num_kv_blocks} KV blocks "
+                    f"of {self.block_manager.block_size} tokens, but {where} num_blocks={num_blocks}")
 
     def add_seq(self, seq: Sequence) -> None:
         """Queue a sequence; PromptTooLongError / InvalidRequestError (see check_fits) if it could never run."""

@@ -21,6 +21,11 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's table (the only one unless a model mixes full and sliding layers)."""
+        return self.block_tables[0]
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  index: int = 0, arrival_time: float | None = None):
         self.request_id = request_id
@@ -37,7 +42,9 @@ class Sequence:
         # (0 or 1 at a scheduling point; always 0 without overlapped scheduling between steps).
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0        # of those, how many came from the prefix cache at admission
-        self.block_table: list[int] = []  # KV block ids, in order
+        # KV block ids, in order, one table per KV cache group (engine.core.kv_cache_groups):
+        # block_tables[0] is `block_table`; a model with full and sliding layers has two.
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[int] = [] # chained hashes of this sequence's full blocks (prefix caching)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -68,6 +68,9 @@ class Attention(nn.Module):
         # model's state_dict / .to() must not copy it.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Which KV cache group's slots and block tables this layer reads (engine.core.kv_cache_groups);
+        # set by the runner with the cache.
+        self.kv_group = 0
 
     def set_backend(self, backend: str) -> None:
         """Choose the kernels, once, for a model the runner has built.
@@ -104,7 +107,8 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        self._store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        slot_mapping, block_tables = md.kv_group(self.kv_group)
+        self._store_kv(k, v, self.k_cache, self.v_cache, slot_mapping)
         extra = {}
         if self._cpu_path:
             extra = dict(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu, key=k, value=v)
@@ -114,7 +118,7 @@ class Attention(nn.Module):
             extra["logits_soft_cap"] = self.logits_soft_cap
         if self.sinks is not None:
             extra["sinks"] = self.sinks
-        o = self._paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens,
+        o = self._paged_attention(q, self.k_cache, self.v_cache, block_tables, md.seq_lens,
                                   md.cu_seqlens_q, md.max_seqlen_q, self.scale, **extra)
         return o.view(n, self.num_heads * self.head_dim)  # [n, num_heads, head_dim] flattened
 

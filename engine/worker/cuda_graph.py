@@ -29,7 +29,7 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, num_kv_groups: int = 1):
         self.model = model
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.max_bs = self.batch_sizes[-1]
@@ -42,13 +42,18 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, **kw)        # [max_bs]
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, **kw)
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, **kw)  # one row per seq
+        # The same two buffers for each KV cache group after the first (the sliding layers' pool).
+        self.group_slot_mappings = [torch.full_like(self.slot_mapping, -1) for _ in range(num_kv_groups - 1)]
+        self.group_block_tables = [torch.zeros_like(self.block_tables) for _ in range(num_kv_groups - 1)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> hidden [bs, hidden_size], owned by the graph
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
                                  seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len)
+                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len,
+                                 group_slot_mappings=[s[:bs] for s in self.group_slot_mappings],
+                                 group_block_tables=[t[:bs] for t in self.group_block_tables])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -81,9 +86,15 @@ class CUDAGraphRunner:
         self.seq_lens[:n].copy_(torch.tensor(mi.seq_lens, dtype=torch.int32).pin_memory(), non_blocking=True)
         self.block_tables[:n, :width].copy_(
             torch.tensor(mi.block_tables, dtype=torch.int32).pin_memory(), non_blocking=True)
+        for slots, tables, mi_slots, mi_tables in zip(self.group_slot_mappings, self.group_block_tables,
+                                                      mi.group_slot_mappings, mi.group_block_tables):
+            slots[:n].copy_(torch.tensor(mi_slots, dtype=torch.long).pin_memory(), non_blocking=True)
+            tables[:n, :width].copy_(torch.tensor(mi_tables, dtype=torch.int32).pin_memory(), non_blocking=True)
         if bs > n:  # padding rows: write nothing, attend to one harmless cached token
-            self.slot_mapping[n:bs].fill_(-1)
+            for slots, tables in zip([self.slot_mapping, *self.group_slot_mappings],
+                                     [self.block_tables, *self.group_block_tables]):
+                slots[n:bs].fill_(-1)
+                tables[n:bs, 0].fill_(0)
             self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs, 0].fill_(0)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -7,7 +7,7 @@ a failed step never leaves stale metadata for the next.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,16 @@ class AttentionMetadata:
     # Host copies, so the torch backend can slice without a device sync.
     seq_lens_cpu: list[int] | None = None
     query_lens_cpu: list[int] | None = None
+    # KV cache groups after the first (engine.core.kv_cache_groups), same layouts as
+    # slot_mapping / block_tables: a layer of group g > 0 reads entry g - 1.
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
+
+    def kv_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of KV cache group `group`."""
+        if group == 0:
+            return self.slot_mapping, self.block_tables
+        return self.group_slot_mappings[group - 1], self.group_block_tables[group - 1]
 
     @property
     def num_seqs(self) -> int:

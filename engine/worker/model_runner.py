@@ -24,6 +24,7 @@ from engine.layers.linear import LinearBase
 from engine.loader.weights import load_weights
 from engine.math_utils import cdiv
 from engine.models import get_model_class
+from engine.core.kv_cache_groups import group_num_blocks, kv_cache_groups, split_kv_budget
 from engine.core.messages import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from engine.worker.sampler import SampledTokens, Sampler, compute_prompt_logprobs
 from engine.core.sequence import Sequence
@@ -46,10 +47,17 @@ class ModelRunner:
         # The runner owns the backend choice, as it owns the KV cache: model constructors never see it.
         for layer in self.attn_layers:
             layer.set_backend(self.attention_backend)
+        self.kv_groups = kv_cache_groups(model_config.layer_types, model_config.sliding_window,
+                                         len(self.attn_layers))
+        for g, group in enumerate(self.kv_groups):
+            for i in group.layer_indices:
+                assert self.attn_layers[i].sliding_window == group.sliding_window, (i, group)
+                self.attn_layers[i].kv_group = g
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=config.seed, device=self.device)
         # Every TP rank must hold the same number of blocks: take the smallest any rank can afford.
+        # num_kv_blocks is the first KV cache group's pool; the others follow from it (kv_cache_groups.py).
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
-        self._allocate_kv_cache(self.num_kv_blocks)
+        self._allocate_kv_cache(self._group_num_block_ids(self.num_kv_blocks))
         self.graph_runner = self._maybe_capture_cuda_graphs()
         # The last sampled step's tokens on the device, and each sampled sequence's row in them.
         self._prev_sampled: torch.Tensor | None = None
@@ -80,8 +88,20 @@ class ModelRunner:
         attn = self.attn_layers[0]
         return (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
 
-    def _bytes_per_block(self) -> int:
-        return 2 * len(self.attn_layers) * math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of every layer's K and V cache tensors, all groups together."""
+        return sum(t.numel() * t.element_size() for a in self.attn_layers for t in (a.k_cache, a.v_cache))
+
+    def _bytes_per_layer_block(self) -> int:
+        return 2 * math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
+
+    def _group_num_block_ids(self, num_kv_blocks: int) -> list[int]:
+        """Rows of each group's cache tensors: its usable blocks, plus a sliding pool's null block."""
+        c = self.config
+        sizes = group_num_blocks(self.kv_groups, num_kv_blocks, c.max_num_seqs, c.max_num_batched_tokens,
+                                 self.block_size)
+        return [n + (g.sliding_window is not None) for g, n in zip(self.kv_groups, sizes)]
 
     def _determine_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -92,10 +112,13 @@ class ModelRunner:
             budget = int(self.config.cpu_kv_cache_gb * 2**30)
         else:
             budget = self._profile_free_gpu_memory()
-        num_blocks = min(cap, budget // self._bytes_per_block())
+        c = self.config
+        num_blocks = min(cap, split_kv_budget(self.kv_groups, budget, self._bytes_per_layer_block(),
+                                              c.max_num_seqs, c.max_num_batched_tokens, self.block_size))
         if num_blocks < 1:
             raise ValueError(f"no room for a single KV block (budget {budget} bytes, "
-                             f"{self._bytes_per_block()} bytes per block); raise the memory budget")
+                             f"{self._bytes_per_layer_block() * len(self.attn_layers)} bytes per block "
+                             f"of every layer); raise the memory budget")
         return num_blocks
 
     def _maybe_capture_cuda_graphs(self):
@@ -104,7 +127,7 @@ class ModelRunner:
             return None
         from engine.worker.cuda_graph import CUDAGraphRunner
         runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self.config.max_model_len,
-                                 self.block_size, self.device)
+                                 self.block_size, self.device, num_kv_groups=len(self.kv_groups))
         runner.capture()
         return runner
 
@@ -113,7 +136,7 @@ class ModelRunner:
         """Run the largest step once (no KV cache yet) and return what is left for the cache."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._allocate_kv_cache(1)
+        self._allocate_kv_cache([1] * len(self.kv_groups))
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, dtype=torch.long, device=self.device)
@@ -132,18 +155,21 @@ class ModelRunner:
     def _dummy_prefill_metadata(self, n: int) -> AttentionMetadata:
         # One sequence writing to slot -1 (skipped) and reading block 0 only for causal context.
         dev = self.device
+        slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        tables = torch.zeros((1, cdiv(n, self.block_size)), dtype=torch.int32, device=dev)
+        num_extra = len(self.kv_groups) - 1
         return AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-            block_tables=torch.zeros((1, cdiv(n, self.block_size)), dtype=torch.int32, device=dev),
+            slot_mapping=slots, block_tables=tables,
             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            max_seqlen_q=n, max_seqlen_k=n, seq_lens_cpu=[n], query_lens_cpu=[n])
+            max_seqlen_q=n, max_seqlen_k=n, seq_lens_cpu=[n], query_lens_cpu=[n],
+            group_slot_mappings=[slots] * num_extra, group_block_tables=[tables] * num_extra)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> None:
+    def _allocate_kv_cache(self, group_num_block_ids: list[int]) -> None:
         # Zero-filled: padded key positions are masked, but 0 * NaN garbage would still poison a row.
         # On CPU the zero pages are the kernel's, made resident only when written (engine/worker/kv_cache.py).
-        shape = self._kv_cache_shape(num_blocks)
         for layer in self.attn_layers:
+            shape = self._kv_cache_shape(group_num_block_ids[layer.kv_group])
             layer.k_cache = allocate_kv_tensor(shape, self.dtype, self.device)
             layer.v_cache = allocate_kv_tensor(shape, self.dtype, self.device)
 
@@ -219,7 +245,9 @@ class ModelRunner:
             seq_lens=to_device(mi.seq_lens, torch.int32, self.device),
             cu_seqlens_q=to_device(_cumsum0(mi.query_lens), torch.int32, self.device),
             max_seqlen_q=max(mi.query_lens), max_seqlen_k=max(mi.seq_lens),
-            seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens)
+            seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens,
+            group_slot_mappings=[to_device(s, torch.long, self.device) for s in mi.group_slot_mappings],
+            group_block_tables=[to_device(t, torch.int32, self.device) for t in mi.group_block_tables])
         with set_forward_context(meta):
             return self.model(input_ids, to_device(mi.positions, torch.long, self.device))
 
@@ -266,6 +294,10 @@ class ModelRunner:
         for seq in so.seqs:
             bt = seq.block_table[:max_blocks]
             mi.block_tables.append(bt + [0] * (max_blocks - len(bt)))
+        for g in range(1, len(self.kv_groups)):
+            mi.group_slot_mappings.append(_slot_mapping(so, g, bs))
+            tables = [seq.block_tables[g][:max_blocks] for seq in so.seqs]
+            mi.group_block_tables.append([bt + [0] * (max_blocks - len(bt)) for bt in tables])
         return mi
 
     def free_seq(self, seq_id: int) -> None:
@@ -306,6 +338,15 @@ def _pack_weights_for_cpu(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)) and uses[id(m.weight)] == 1:
             pack_module_weight(m)
+
+
+def _slot_mapping(so: SchedulerOutput, group: int, bs: int) -> list[int]:
+    """Cache slots of a step's new tokens in KV cache group `group`'s blocks."""
+    out: list[int] = []
+    for seq, start, n in zip(so.seqs, so.num_computed_tokens, so.num_scheduled_tokens):
+        bt = seq.block_tables[group]
+        out.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
+    return out
 
 
 def _cumsum0(values: list[int]) -> list[int]:
