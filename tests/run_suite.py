@@ -2,7 +2,7 @@
 
 The Ray tests (marked `ray` by tests/conftest.py) spend much of their time waiting on Ray and
 Serve (replicas starting, metrics published, controllers reconciling), so the rest runs beside
-them, on one torch thread so that the Ray tests' replicas keep a core. One process each rather
+them, at the lowest CPU priority and on one torch thread, in the time the Ray tests leave idle. One process each rather
 than pytest-xdist workers: xdist's groups (`--dist loadgroup`) do not reach the node ids under
 pytest 9, so its workers split the Ray tests between them and ran two clusters at once.
 
@@ -25,9 +25,17 @@ THREADS_ENV = "RAYLLM_TEST_TORCH_THREADS"
 NO_TESTS = 5  # pytest's exit status when nothing was selected
 
 
+def _lowest_priority() -> None:
+    """The rest runs at nice 19: Ray starts its workers (the replicas, where the Ray tests' engines
+    compute) at nice 15, so beside a rest at nice 0 they got a fraction of a core and the Ray
+    tests took longer than the whole suite in one process. At 19 the rest takes the cores the Ray
+    tests leave idle."""
+    os.nice(19)
+
+
 def main(args: list[str]) -> int:
     with tempfile.TemporaryFile("w+") as rest_log:
-        rest = subprocess.Popen([*PYTEST, "-m", "not ray", "--durations=10", *args],
+        rest = subprocess.Popen([*PYTEST, "-m", "not ray", "--durations=10", *args], preexec_fn=_lowest_priority,
                                 stdout=rest_log, stderr=subprocess.STDOUT, env={**os.environ, THREADS_ENV: "1"})
         try:
             ray_status = subprocess.call([*PYTEST, "-m", "ray", "--durations=25", *args])
