@@ -341,7 +341,8 @@ def hybrid(num_blocks=16, window=8, **kw) -> HybridBlockManager:
 def test_hybrid_pools_sizes_and_one_table_each():
     bm = hybrid()
     full, sliding = bm.pools
-    # The sliding pool holds at most cdiv(W - 1 + 8, 4) + 1 = 5 blocks for each of 2 sequences.
+    # The sliding pool holds at most 2 * (cdiv(W - 1, 4) + 2) + cdiv(8, 4) = 10 blocks: each of the 2
+    # sequences' windows and one step's chunk of 8 rows.
     assert (full.num_blocks, sliding.num_blocks, sliding.num_block_ids) == (16, 10, 11)
     a = make_seq(range(30))
     admit(bm, a)

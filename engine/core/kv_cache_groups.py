@@ -13,7 +13,8 @@ step: a sequence is admitted, grows, is preempted and is freed in every group at
 
 `num_kv_blocks` names group 0's pool (the full group's, or the only group's), which bounds how
 long a context fits; a sliding group of a hybrid model gets what its running sequences can
-hold at most, `max_num_seqs * sliding_blocks_per_seq(...)`, capped at `num_kv_blocks`.
+hold at most (`sliding_pool_blocks`: every sequence's window, and one step's chunk once),
+capped at `num_kv_blocks`.
 """
 from __future__ import annotations
 
@@ -49,12 +50,22 @@ def sliding_blocks_per_seq(sliding_window: int, max_num_batched_tokens: int, blo
     return cdiv(sliding_window - 1 + max_num_batched_tokens, block_size) + 1
 
 
+def sliding_pool_blocks(sliding_window: int, max_num_seqs: int, max_num_batched_tokens: int,
+                        block_size: int) -> int:
+    """Most blocks a sliding pool holds for every running sequence at once. A sequence s with n_s
+    new rows this step holds cdiv(W - 1 + n_s, bs) + 1 <= cdiv(W - 1, bs) + 2 + n_s / bs blocks,
+    and a step's rows sum to max_num_batched_tokens at most: only one step's chunk is counted
+    once, not once per sequence (max_num_seqs * sliding_blocks_per_seq would reserve a whole
+    chunk for each)."""
+    return max_num_seqs * (cdiv(sliding_window - 1, block_size) + 2) + cdiv(max_num_batched_tokens, block_size)
+
+
 def group_num_blocks(groups: list[KVCacheGroup], num_kv_blocks: int, max_num_seqs: int,
                      max_num_batched_tokens: int, block_size: int) -> list[int]:
     """Usable blocks of each group's pool, given group 0's (`num_kv_blocks`)."""
     out = [num_kv_blocks]
     for g in groups[1:]:
-        need = max_num_seqs * sliding_blocks_per_seq(g.sliding_window, max_num_batched_tokens, block_size)
+        need = sliding_pool_blocks(g.sliding_window, max_num_seqs, max_num_batched_tokens, block_size)
         out.append(min(num_kv_blocks, need))
     return out
 
