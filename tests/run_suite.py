@@ -26,10 +26,10 @@ NO_TESTS = 5  # pytest's exit status when nothing was selected
 
 
 def _lowest_priority() -> None:
-    """The rest runs at nice 19: Ray starts its workers (the replicas, where the Ray tests' engines
-    compute) at nice 15, so beside a rest at nice 0 they got a fraction of a core and the Ray
-    tests took longer than the whole suite in one process. At 19 the rest takes the cores the Ray
-    tests leave idle."""
+    """The rest runs at nice 19, and the clusters the Ray tests start run their workers (the
+    replicas, where the Ray tests' engines compute) at nice 0 (RAY_worker_niceness), not Ray's
+    default 15: beside a rest at nice 0 the replicas got a fraction of a core and the Ray tests
+    took longer than the whole suite in one process. So the rest takes only the idle cores."""
     os.nice(19)
 
 
@@ -38,7 +38,8 @@ def main(args: list[str]) -> int:
         rest = subprocess.Popen([*PYTEST, "-m", "not ray", "--durations=10", *args], preexec_fn=_lowest_priority,
                                 stdout=rest_log, stderr=subprocess.STDOUT, env={**os.environ, THREADS_ENV: "1"})
         try:
-            ray_status = subprocess.call([*PYTEST, "-m", "ray", "--durations=25", *args])
+            ray_status = subprocess.call([*PYTEST, "-m", "ray", "--durations=25", *args],
+                                         env={**os.environ, "RAY_worker_niceness": "0"})
             rest_status = rest.wait()
         finally:
             if rest.poll() is None:
