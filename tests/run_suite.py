@@ -26,10 +26,19 @@ NO_TESTS = 5  # pytest's exit status when nothing was selected
 
 
 def _lowest_priority() -> None:
-    """The rest runs at nice 19, and the clusters the Ray tests start run their workers (the
-    replicas, where the Ray tests' engines compute) at nice 0 (RAY_worker_niceness), not Ray's
-    default 15: beside a rest at nice 0 the replicas got a fraction of a core and the Ray tests
-    took longer than the whole suite in one process. So the rest takes only the idle cores."""
+    """The rest runs at the lowest priority, and the clusters the Ray tests start run their workers
+    (the replicas, where the Ray tests' engines compute) at nice 0 (RAY_worker_niceness), not Ray's
+    default 15: beside a rest at nice 0 the replicas got a fraction of a core and the Ray tests took
+    longer than the whole suite in one process. Nice alone is not enough where the kernel groups
+    processes by session (sched_autogroup: Ray's processes are in sessions of their own, and each
+    group gets an equal share whatever its members' nice), so the rest gets a session of its own
+    whose group is niced too. Then it takes only the cores the Ray tests leave idle."""
+    os.setsid()
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:  # no autogroup on this kernel: nice is all there is
+        pass
     os.nice(19)
 
 
