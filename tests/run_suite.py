@@ -29,10 +29,9 @@ def _lowest_priority() -> None:
     """The rest runs at the lowest priority, and the clusters the Ray tests start run their workers
     (the replicas, where the Ray tests' engines compute) at nice 0 (RAY_worker_niceness), not Ray's
     default 15: beside a rest at nice 0 the replicas got a fraction of a core and the Ray tests took
-    longer than the whole suite in one process. Nice alone is not enough where the kernel groups
-    processes by session (sched_autogroup: Ray's processes are in sessions of their own, and each
-    group gets an equal share whatever its members' nice), so the rest gets a session of its own
-    whose group is niced too. Then it takes only the cores the Ray tests leave idle."""
+    longer than the whole suite in one process. Where the kernel groups processes by session
+    (sched_autogroup), nice orders processes only within a group, so the rest also gets a session
+    of its own whose group is niced: it yields to every other group, wherever Ray's processes are."""
     os.setsid()
     try:
         with open("/proc/self/autogroup", "w") as f:
