@@ -20,6 +20,8 @@
 #                                          # (colocate_ingress): one GIL for both, or faster?
 #   bash loadtest/gpu_session.sh batch     # issue 13: the batch job vs LLM.generate, Qwen3-0.6B shape
 #   bash loadtest/gpu_session.sh engine-tests  # the CUDA engine tests alone (greedy vs HF, graphs, bf16)
+#   bash loadtest/gpu_session.sh model-tests   # issue 33 natively: MoE (Triton grouped GEMMs), Gemma,
+#                                          # gpt-oss, sliding windows / soft-caps / sinks, two KV groups in graphs
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
 # jsonschema: `bash loadtest/gpu_wheels.sh` here packs them into .whl/site.tar.xz; carry it and
 # start the device command with `mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site &&
@@ -98,9 +100,14 @@ case "$stage" in
     qwen3_model
     python3 -m loadtest.batch_bench --device cuda --model "$QWEN3" --num-rows 2048 --max-tokens 128 \
       --out "$out/batch_gpu.json" 2>&1 | tee "$out/batch_gpu.log" ;;
+  model-tests)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_moe.py tests/test_kernels_fused_moe.py \
+      tests/test_kernels_fused_moe_swiglu.py tests/test_gemma.py tests/test_gpt_oss.py tests/test_sliding_window.py \
+      tests/test_phi3.py tests/test_rotary.py tests/test_kernels_attention.py tests/test_kernels_attention_split.py \
+      2>&1 | tee "$out/model_tests.log" ;;
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests)"
      exit 2 ;;
 esac
