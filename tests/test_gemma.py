@@ -7,7 +7,6 @@ backend (interpreted on CPU), every logit of a mixed step, TP=2 against TP=1, an
 RMSNorm against HF's."""
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from engine.tools.tiny_model import make_tiny_model  # noqa: E402
 from tests.hf_reference import assert_matches, hf_greedy, load_hf  # noqa: E402
 from tests.test_llm import _check_against_hf, _prompts  # noqa: E402
 from tests.test_models import attach_kv_cache, hf_logits, load_our_model, run_step  # noqa: E402
-from tests.test_sliding_window import MAX_TOKENS, PROMPT_LENS, REGIMES  # noqa: E402
+from tests.test_sliding_window import MAX_TOKENS, PROMPT_LENS, REGIMES, _with_config  # noqa: E402
 
 CHECKPOINTS = ["tiny_gemma2", "tiny_gemma3"]
 
@@ -42,15 +41,6 @@ def tiny_gemma2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), arch="gemma3"))
-
-
-def _with_config(tmp_path_factory, path: str, **changes) -> str:
-    """A copy of the checkpoint at `path` with `changes` to its config.json: the same weights."""
-    out = tmp_path_factory.mktemp("changed")
-    shutil.copytree(path, out, dirs_exist_ok=True)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(dict(config, **changes)))
-    return str(out)
 
 
 def test_checkpoints_read_as_hf_builds_them(tiny_gemma2, tiny_gemma3):

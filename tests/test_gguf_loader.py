@@ -245,17 +245,22 @@ _MOE_KEYS = {"mixtral": ("num_local_experts", "num_experts_per_tok", "intermedia
                            "head_dim", "mlp_only_layers", "decoder_sparse_step")}
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_checkpoint(tmp_path_factory):
-    """arch -> its tiny checkpoint (8 experts, top-2), built on first use."""
+def _checkpoints_on_first_use(tmp_path_factory, overrides: dict):
+    """arch -> its tiny checkpoint with overrides[arch], built on first use."""
     built = {}
 
     def get(arch: str):
         if arch not in built:
             out = tmp_path_factory.mktemp(f"gguf-{arch}")
-            built[arch] = make_tiny_model(out, arch=arch, seed=0, **_MOE_OVERRIDES[arch])
+            built[arch] = make_tiny_model(out, arch=arch, seed=0, **overrides[arch])
         return built[arch]
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """arch -> its tiny checkpoint (8 experts, top-2), built on first use."""
+    return _checkpoints_on_first_use(tmp_path_factory, _MOE_OVERRIDES)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
@@ -302,14 +307,7 @@ _GEMMA_KEYS = ("architectures", "head_dim", "query_pre_attn_scalar", "sliding_wi
 @pytest.fixture(scope="module")
 def tiny_gemma_checkpoint(tmp_path_factory):
     """arch -> its tiny checkpoint (windows of 16; gemma2's soft caps 5 / 15), built on first use."""
-    built = {}
-
-    def get(arch: str):
-        if arch not in built:
-            out = tmp_path_factory.mktemp(f"gguf-{arch}")
-            built[arch] = make_tiny_model(out, arch=arch, seed=0, **_GEMMA_OVERRIDES[arch])
-        return built[arch]
-    return get
+    return _checkpoints_on_first_use(tmp_path_factory, _GEMMA_OVERRIDES)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
