@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.config.quantization import QUANTIZATION_METHODS, resolve_quantization
 from engine.errors import check_int as _positive
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    # None: the checkpoint's own (its quantization_config, or a GGUF's blocks); "fp8" / "int8" on an
+    # unquantized checkpoint quantize its linear weights at load (engine/layers/quantization).
+    quantization: str | None = None
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
@@ -57,6 +61,8 @@ class EngineConfig:
         _choice("dtype", self.dtype, ("auto",) + DTYPES)
         _choice("device", self.device, ("auto",) + DEVICES)
         _choice("attention_backend", self.attention_backend, ("auto",) + ATTENTION_BACKENDS)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
@@ -96,8 +102,11 @@ class EngineConfig:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = on_cuda and self.tensor_parallel_size == 1
+        quantization = resolve_quantization(self.quantization, model_config.quantization, is_gguf=False)
+        if quantization is not None:
+            _check_quantization_config(quantization, model_config)
         return dataclasses.replace(
-            self, device=device, dtype=_resolve_dtype(self.dtype, on_cuda, model_config.torch_dtype),
+            self, device=device, quantization=quantization, dtype=_resolve_dtype(self.dtype, on_cuda, model_config.torch_dtype),
             attention_backend=_resolve_attention_backend(self.attention_backend, on_cuda),
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_cuda else 2048),
@@ -118,6 +127,14 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
     return device
+
+
+def _check_quantization_config(method: str, model_config: ModelConfig) -> None:
+    """Read the checkpoint's quantization_config once here, so what the layers cannot run (a bit
+    width, a group size, a scheme) fails at start, before workers spawn, naming it."""
+    from engine.layers.quantization import get_quantization_config  # torch: only when quantized
+
+    get_quantization_config(method, model_config.hf_config.get("quantization_config"))
 
 
 def _resolve_dtype(dtype: str, on_cuda: bool, checkpoint_dtype: str) -> str:

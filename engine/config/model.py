@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.config.quantization import checkpoint_quantization
 from engine.config.rope import check_rope, read_rope
 from engine.config.sliding_window import checked_sliding_window, read_layer_types
 from engine.models import SUPPORTED_ARCHITECTURES, check_architecture  # names only: no torch
@@ -55,6 +56,8 @@ class ModelConfig:
     # The checkpoint's config.json as read: the keys only one architecture uses (expert counts,
     # soft-caps, ...) are read by that model's class from here, not copied into a field each.
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # The checkpoint's quantization_config.quant_method (engine.config.quantization); None: unquantized.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -112,6 +115,7 @@ class ModelConfig:
             sliding_window=hf["sliding_window"] if layer_types else None,
             layer_types=layer_types,
             hf_config=hf,
+            quantization=checkpoint_quantization(hf),
         )
 
 
@@ -123,23 +127,9 @@ def _refuse_unsupported_features(hf: dict[str, Any], arch: str) -> None:
     check_architecture(arch)
     if hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported (causal attention only)")
-    if hf.get("quantization_config"):
-        _check_quantization(hf["quantization_config"], arch)
+    method = checkpoint_quantization(hf)  # ValueError naming an unknown quant_method
+    if (method == "mxfp4") != (arch == "GptOssForCausalLM" and method is not None):
+        raise ValueError(f"quantization_config quant_method={method!r} is not supported for {arch} "
+                         f"(MXFP4 is read for GptOssForCausalLM's experts only, and only MXFP4 for it)")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-
-
-# The one checkpoint quantization loaded, dequantized at load (engine/loader/mxfp4.py): gpt-oss's
-# MXFP4 experts. Any other quant_method, or MXFP4 on another architecture, is refused by name.
-_QUANTIZATIONS = {"GptOssForCausalLM": "mxfp4"}
-_QUANTIZATION_KEYS = ("quant_method", "modules_to_not_convert")  # what the hub's MXFP4 configs hold
-
-
-def _check_quantization(quant: dict[str, Any], arch: str) -> None:
-    method = quant.get("quant_method")
-    if _QUANTIZATIONS.get(arch) != method:
-        raise ValueError(f"quantization_config quant_method={method!r} is not supported for {arch} "
-                         f"(quantized checkpoints load only as {_QUANTIZATIONS})")
-    extra = sorted(set(quant) - set(_QUANTIZATION_KEYS))
-    if extra:
-        raise ValueError(f"quantization_config keys {extra} are not supported for quant_method={method!r}")

@@ -8,15 +8,20 @@ partial sum, summed by all_reduce in `forward`). Every parameter carries a
 out of the full checkpoint tensor, so the loader knows nothing about TP. The fused layers
 also take a checkpoint that stores their parts fused already (Phi-3's qkv_proj, gate_up_proj):
 shard_id None means "every part, in order", which they split and load part by part.
+
+A layer's parameters come from its `quant_method` (engine.layers.quantization): a dense `weight`
+by default, or a format's packed tensors and scales. The loaders below shard any of them by the
+layout the method recorded on it (`set_layout`): which dims run along the output and input
+features, and how many features one packed row holds.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.executor.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from engine.layers.cpu_gemm import packed_linear
+from engine.layers.quantization import (LinearMethodBase, UnquantizedLinearMethod, is_building_quantized,
+                                        set_layout)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -33,33 +38,89 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
-    """Holds this rank's `[output_size, input_size]` weight (and bias); `tp_dim` is the sharded dim."""
+    """This rank's share of a `[output_size, input_size]` linear layer; `tp_dim` is the sharded dim
+    (0: output features, 1: input features, None: replicated).
+
+    Subclasses say where a checkpoint part lands (`_output_shard`, `_input_shard`); the loader
+    applies that to every parameter the quant method created."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
         # CPU fp32 after loading: the weight packed for oneDNN (engine.layers.cpu_gemm), and
         # `weight` emptied; None means F.linear on `weight`.
         self.packed_weight: torch.Tensor | None = None
+        self.quant_method: LinearMethodBase | None = None
+        if bias:
+            self.bias = set_layout(nn.Parameter(torch.empty(output_size), requires_grad=False), output_dim=0)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+        if not is_building_quantized():  # else quantize_linear_layers sets it, by module name
+            self.set_quant_method(UnquantizedLinearMethod())
+
+    def set_quant_method(self, method: LinearMethodBase) -> None:
+        """Create this layer's parameters in `method`'s layout (before any weight is loaded)."""
+        self.quant_method = method
+        method.create_weights(self)
+        for name, param in self.named_parameters(recurse=False):
+            if name != "bias":
+                param.weight_loader = self.weight_loader
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    # -- where a checkpoint part lands, in logical features: (offset in ours, size, offset in the part)
+    def _output_shard(self, shard_id) -> tuple[int, int, int]:
+        return 0, self.output_size, 0
+
+    def _input_shard(self) -> tuple[int, int, int]:
+        return 0, self.input_size, 0
+
+    def _shard_index(self, shard_id) -> int:
+        """The part's index among a fused layer's parts (0 for an unfused layer)."""
+        return 0
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        raise NotImplementedError
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
+        if getattr(param, "per_shard", False):  # one entry per fused part: copied whole into its slot
+            copy_weight(param.data[self._shard_index(shard_id)], loaded_weight.reshape(param.shape[1:]))
+            return
+        dst, src = param.data, loaded_weight
+        out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+        if out_dim is not None and (self.tp_dim == 0 or shard_id is not None):
+            dst, src = _narrow_pair(dst, src, out_dim, self._output_shard(shard_id), param.output_block,
+                                    self.output_size)
+        if in_dim is not None and self.tp_dim == 1:
+            dst, src = _narrow_pair(dst, src, in_dim, self._input_shard(), param.input_block, self.input_size)
+        copy_weight(dst, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def _narrow_pair(dst: torch.Tensor, src: torch.Tensor, dim: int, shard: tuple[int, int, int],
+                 block: tuple[int, int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our slice (offset, size) of `dst` and the part's slice of `src` along `dim`, in whole blocks."""
+    ours, size, theirs = shard
+    if not (ours == 0 and size == total):
+        dst = _narrow_blocks(dst, dim, ours, size, block)
+    if not (theirs == 0 and src.shape[dim] == _rows(size, block)):
+        src = _narrow_blocks(src, dim, theirs, size, block)
+    return dst, src
+
+
+def _rows(features: int, block: tuple[int, int]) -> int:
+    elems, units = block
+    return -(-features // elems) * units
+
+
+def _narrow_blocks(t: torch.Tensor, dim: int, offset: int, size: int, block: tuple[int, int]) -> torch.Tensor:
+    elems, units = block
+    if offset % elems or size % elems:
+        raise ValueError(f"a shard of {size} features at offset {offset} does not fall on whole quantization "
+                         f"blocks of {elems} features (tensor_parallel_size or the fused parts' sizes)")
+    return t.narrow(dim, offset // elems * units, size // elems * units)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -68,9 +129,8 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, get_tp_size(), "output_size"), bias, 0)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        size = param.data.size(0)
-        copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+    def _output_shard(self, shard_id) -> tuple[int, int, int]:
+        return 0, self.output_size, self.tp_rank * self.output_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -87,14 +147,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
-            _load_fused(self.weight_loader, param, loaded_weight,
+            _load_fused(super().weight_loader, param, loaded_weight,
                         {i: size * self.tp_size for i, size in enumerate(self.shard_sizes)})
             return
+        super().weight_loader(param, loaded_weight, shard_id)
+
+    def _shard_index(self, shard_id) -> int:
         if shard_id not in range(len(self.shard_sizes)):
             raise ValueError(f"shard_id={shard_id!r} is invalid for {len(self.shard_sizes)} merged outputs")
-        size = self.shard_sizes[shard_id]
-        dst = param.data.narrow(0, sum(self.shard_sizes[:shard_id]), size)
-        copy_weight(dst, loaded_weight.narrow(0, self.tp_rank * size, size))
+        return shard_id
+
+    def _output_shard(self, shard_id) -> tuple[int, int, int]:
+        i = self._shard_index(shard_id)
+        size = self.shard_sizes[i]
+        return sum(self.shard_sizes[:i]), size, self.tp_rank * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -126,27 +192,37 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
             q, kv = self.total_num_heads * self.head_dim, self.total_num_kv_heads * self.head_dim
-            _load_fused(self.weight_loader, param, loaded_weight, {"q": q, "k": kv, "v": kv})
+            _load_fused(super().weight_loader, param, loaded_weight, {"q": q, "k": kv, "v": kv})
             return
-        if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
-        elif shard_id in ("k", "v"):
-            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        else:
+        super().weight_loader(param, loaded_weight, shard_id)
+
+    def _shard_index(self, shard_id) -> int:
+        if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id={shard_id!r} is invalid: expected 'q', 'k' or 'v'")
-        copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+        return "qkv".index(shard_id)
+
+    def _output_shard(self, shard_id) -> tuple[int, int, int]:
+        if self._shard_index(shard_id) == 0:
+            return 0, self.q_size, self.tp_rank * self.q_size
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        return offset, self.kv_size, self.tp_rank // self.kv_replicas * self.kv_size
 
 
 def _load_fused(weight_loader, param: nn.Parameter, loaded_weight: torch.Tensor, sizes: dict) -> None:
-    """A checkpoint tensor holding every part's full rows in order ({shard_id: rows}), loaded part by part."""
-    if loaded_weight.shape[0] != sum(sizes.values()):
-        raise ValueError(f"fused checkpoint tensor has {loaded_weight.shape[0]} rows, expected "
-                         f"{' + '.join(map(str, sizes.values()))} ({', '.join(map(str, sizes))})")
+    """A checkpoint tensor holding every part's full rows in order ({shard_id: features}), loaded
+    part by part (along the param's output dim, in its packed rows)."""
+    dim, block = getattr(param, "output_dim", None), getattr(param, "output_block", (1, 1))
+    if dim is None or getattr(param, "per_shard", False):
+        raise ValueError(f"a fused checkpoint tensor of shape {tuple(loaded_weight.shape)} cannot be split "
+                         f"for a parameter that does not run along the output features")
+    rows = {shard_id: _rows(size, block) for shard_id, size in sizes.items()}
+    if loaded_weight.shape[dim] != sum(rows.values()):
+        raise ValueError(f"fused checkpoint tensor has {loaded_weight.shape[dim]} rows, expected "
+                         f"{' + '.join(map(str, rows.values()))} ({', '.join(map(str, sizes))})")
     offset = 0
-    for shard_id, size in sizes.items():
-        weight_loader(param, loaded_weight.narrow(0, offset, size), shard_id)
-        offset += size
+    for shard_id, n in rows.items():
+        weight_loader(param, loaded_weight.narrow(dim, offset, n), shard_id)
+        offset += n
 
 
 class RowParallelLinear(LinearBase):
@@ -155,14 +231,10 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_size(), "input_size"), output_size, bias, 1)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:  # the bias is not sharded
-            copy_weight(param.data, loaded_weight)
-            return
-        size = param.data.size(1)
-        copy_weight(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+    def _input_shard(self) -> tuple[int, int, int]:
+        return 0, self.input_size, self.tp_rank * self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias: the all_reduce sums it otherwise tp_size times.
-        y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
+        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y)

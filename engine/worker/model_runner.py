@@ -21,6 +21,8 @@ from engine.layers.attention import Attention
 from engine.layers.cpu_gemm import pack_module_weight
 from engine.layers.embed_head import ParallelLMHead
 from engine.layers.linear import LinearBase
+from engine.layers.quantization import (UnquantizedLinearMethod, get_quantization_config, quantize_linear_layers,
+                                        quantized_build)
 from engine.loader.weights import load_weights
 from engine.math_utils import cdiv
 from engine.models import get_model_class
@@ -70,7 +72,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.model_config)
+                model = self._construct(cls)
         finally:
             torch.set_default_dtype(prev_dtype)
         gguf_file = gguf_source(model_path)  # a GGUF's HF view links the weights' file
@@ -83,6 +85,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             _pack_weights_for_cpu(model)
         return model.eval()
+
+    def _construct(self, cls) -> torch.nn.Module:
+        if self.config.quantization is None:
+            return cls(self.model_config)
+        quant_config = get_quantization_config(self.config.quantization,
+                                               self.model_config.hf_config.get("quantization_config"))
+        with quantized_build():
+            model = cls(self.model_config)
+        quantize_linear_layers(model, quant_config)
+        return model
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         attn = self.attn_layers[0]
@@ -336,7 +348,9 @@ def _pack_weights_for_cpu(model: torch.nn.Module) -> None:
         if isinstance(w, torch.Tensor):
             uses[id(w)] = uses.get(id(w), 0) + 1
     for m in model.modules():
-        if isinstance(m, (LinearBase, ParallelLMHead)) and uses[id(m.weight)] == 1:
+        dense = isinstance(m, ParallelLMHead) or (isinstance(m, LinearBase)
+                                                  and isinstance(m.quant_method, UnquantizedLinearMethod))
+        if dense and uses[id(m.weight)] == 1:
             pack_module_weight(m)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import LinearBase, copy_weight
+from engine.layers.linear import LinearBase
 
 
 class ReplicatedLinear(LinearBase):
@@ -17,9 +17,6 @@ class ReplicatedLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias, None)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        copy_weight(param.data, loaded_weight)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
