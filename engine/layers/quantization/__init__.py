@@ -20,6 +20,12 @@ from engine.layers.quantization.base import (LinearMethodBase, QuantizationConfi
 # method name (engine.config.quantization) -> "module:Config class", imported on first use.
 QUANTIZATION_CONFIGS: dict[str, str] = {
     "mxfp4": "engine.layers.quantization.mxfp4:Mxfp4Config",
+    "fp8": "engine.layers.quantization.fp8:Fp8Config",
+    "compressed-tensors": "engine.layers.quantization.compressed_tensors:CompressedTensorsConfig",
+    "int8": "engine.layers.quantization.int8:Int8Config",
+    "awq": "engine.layers.quantization.awq:AWQConfig",
+    "gptq": "engine.layers.quantization.gptq:GPTQConfig",
+    "gguf": "engine.layers.quantization.gguf:GGUFConfig",
 }
 
 _building_quantized = False
