@@ -205,7 +205,7 @@ ENGINE_VALUES = {
     "block_size": 32, "num_kv_blocks": 64, "gpu_memory_utilization": 0.5, "cpu_kv_cache_gb": 1.5,
     "enable_prefix_caching": False, "enforce_eager": True, "attention_backend": "torch", "seed": 7,
     "async_scheduling": False, "distributed_init_method": "tcp://127.0.0.1:29555", "worker_start_timeout_s": 30.0,
-    "reasoning_parser": "qwen3",
+    "reasoning_parser": "qwen3", "quantization": "int8",
 }
 
 
@@ -228,6 +228,7 @@ def test_every_engine_field_is_an_app_arg_given_as_a_string():
     ("block_size", "12"), ("gpu_memory_utilization", "1.5"), ("cpu_kv_cache_gb", "0"), ("max_model_len", "0"),
     ("max_num_batched_tokens", "-1"), ("num_kv_blocks", "0"), ("attention_backend", "cudnn"),
     ("worker_start_timeout_s", "0"), ("enforce_eager", "sometimes"), ("seed", "1.5"),
+    ("quantization", "int3"),
 ])
 def test_bad_engine_value_fails_naming_the_field(name, value):
     with pytest.raises(ValueError, match=f"^invalid application args: {name}="):
