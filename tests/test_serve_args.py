@@ -211,7 +211,7 @@ ENGINE_VALUES = {
     "block_size": 32, "num_kv_blocks": 64, "gpu_memory_utilization": 0.5, "cpu_kv_cache_gb": 1.5,
     "enable_prefix_caching": False, "enforce_eager": True, "attention_backend": "torch", "seed": 7,
     "async_scheduling": False, "distributed_init_method": "tcp://127.0.0.1:29555", "worker_start_timeout_s": 30.0,
-    "reasoning_parser": "qwen3",
+    "reasoning_parser": "qwen3", "kv_cache_dtype": "fp8",
 }
 
 
