@@ -10,6 +10,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # kernels/fp8_kv.py: the fp8 KV cache's format
+CACHE_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
 
 
 def _fail(msg: str) -> None:
@@ -34,7 +36,7 @@ def check_same_device(**tensors) -> None:
             _fail(f"{name} is on {t.device} but {first_name} is on {first.device}")
 
 
-def check_caches(k_cache, v_cache, dtypes=FLOAT_DTYPES) -> None:
+def check_caches(k_cache, v_cache, dtypes=CACHE_DTYPES) -> None:
     # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     check_tensor("k_cache", k_cache, 4, dtypes)
     check_tensor("v_cache", v_cache, 4, dtypes)
@@ -51,7 +53,23 @@ def check_caches(k_cache, v_cache, dtypes=FLOAT_DTYPES) -> None:
         _fail(f"k_cache has an empty dimension: shape {tuple(k_cache.shape)}")
 
 
-def check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def check_kv_scales(k_cache, k_scale, v_scale) -> None:
+    """An fp8 cache needs both per-tensor scales ([1] fp32 on the cache's device); any other
+    cache takes none (a scale there would be silently ignored, hiding a config mix-up)."""
+    if k_cache.dtype != FP8_KV_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            _fail(f"k_scale/v_scale apply to an {FP8_KV_DTYPE} cache only; the cache is {k_cache.dtype}")
+        return
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            _fail(f"{name} is required with an {FP8_KV_DTYPE} cache (use a [1] tensor of 1.0 for no scaling)")
+        check_tensor(name, s, 1, (torch.float32,))
+        if s.shape[0] != 1:
+            _fail(f"{name} must be per-tensor, shape [1]; got shape {tuple(s.shape)}")
+        check_same_device(k_cache=k_cache, **{name: s})
+
+
+def check_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Validate store_kv arguments (any backend)."""
     check_tensor("key", key, 3, FLOAT_DTYPES)
     check_tensor("value", value, 3, FLOAT_DTYPES)
@@ -64,10 +82,12 @@ def check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
             f"key [num_tokens, num_kv_heads, head_dim] = {tuple(key.shape)} does not match "
             f"k_cache [..., num_kv_heads, head_dim] = {tuple(k_cache.shape)}"
         )
-    # A silent cast on write would hide a dtype mix-up in the model code.
+    # A silent cast on write would hide a dtype mix-up in the model code (an fp8 cache
+    # quantizes on purpose, from any float dtype).
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != k_cache.dtype:
+        if t.dtype != k_cache.dtype and k_cache.dtype != FP8_KV_DTYPE:
             _fail(f"{name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
+    check_kv_scales(k_cache, k_scale, v_scale)
     if slot_mapping.shape[0] != key.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
@@ -104,7 +124,8 @@ def check_score_options(query, sliding_window, logits_soft_cap, sinks) -> None:
 
 def check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                           cu_seqlens_q, max_seqlen_q, softmax_scale, out, *,
-                          sliding_window=None, logits_soft_cap=None, sinks=None) -> None:
+                          sliding_window=None, logits_soft_cap=None, sinks=None,
+                          k_scale=None, v_scale=None) -> None:
     """Validate paged_attention arguments (any backend)."""
     check_tensor("query", query, 3, FLOAT_DTYPES)
     check_caches(k_cache, v_cache)
@@ -115,8 +136,9 @@ def check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
     check_score_options(query, sliding_window, logits_soft_cap, sinks)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    if k_cache.dtype != query.dtype:
+    if k_cache.dtype != query.dtype and k_cache.dtype != FP8_KV_DTYPE:
         _fail(f"k_cache dtype {k_cache.dtype} != query dtype {query.dtype}")
+    check_kv_scales(k_cache, k_scale, v_scale)
     if k_cache.shape[3] != head_dim:
         _fail(f"query head_dim {head_dim} != k_cache head_dim {k_cache.shape[3]}")
     if num_heads < 1 or num_heads % num_kv_heads != 0:

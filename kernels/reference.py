@@ -6,34 +6,42 @@ float32 softmax: nothing clever, so the fast paths can be checked against it.
 
 import torch
 
+from kernels.fp8_kv import dequantize_fp8, quantize_fp8
 
-def store_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+
+def store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Write each token's K/V into its cache slot; slot < 0 means skip the token.
 
     key, value:       [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping:     [num_tokens]  slot = block_id * block_size + offset
+    k_scale, v_scale: [1] fp32, an fp8 cache's scales: rows are stored quantize_fp8(row, scale)
     """
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        k_cache[block, offset] = key[t]  # [num_kv_heads, head_dim]
-        v_cache[block, offset] = value[t]
+        k, v = key[t], value[t]  # [num_kv_heads, head_dim]
+        if k_scale is not None:
+            k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+        k_cache[block, offset] = k
+        v_cache[block, offset] = v
 
 
-def _gather_context(cache, block_row, seq_len: int):
-    """[num_blocks, block_size, kv_heads, D] -> this sequence's [seq_len, kv_heads, D]."""
+def _gather_context(cache, block_row, seq_len: int, scale=None):
+    """[num_blocks, block_size, kv_heads, D] -> this sequence's [seq_len, kv_heads, D] fp32
+    (an fp8 cache's values times its scale)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = cache[block_row[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, D]
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    ctx = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    return ctx.float() if scale is None else dequantize_fp8(ctx, scale, torch.float32)
 
 
 def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                         max_seqlen_q, softmax_scale, out=None, *, sliding_window=None,
-                        logits_soft_cap=None, sinks=None):
+                        logits_soft_cap=None, sinks=None, k_scale=None, v_scale=None):
     """Causal attention of each sequence's new query rows over its paged context.
 
     query:        [num_tokens, num_heads, head_dim]
@@ -47,6 +55,7 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     logits_soft_cap: None, or scaled scores become cap * tanh(scores / cap) (Gemma 2)
     sinks:           None, or [num_heads]: a logit per head that joins the softmax's
                      denominator and has no value (gpt-oss)
+    k_scale, v_scale: [1] fp32 for an fp8 cache: K and V are read as cached value * scale
     """
     del max_seqlen_q
     if out is None:
@@ -60,8 +69,8 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
         if q_len == 0:
             continue
         # Query head h reads kv head h // group, so repeat each kv head group times.
-        k = _gather_context(k_cache, block_tables[s], seq_len).float()  # [seq_len, kv_heads, D]
-        v = _gather_context(v_cache, block_tables[s], seq_len).float()
+        k = _gather_context(k_cache, block_tables[s], seq_len, k_scale)  # [seq_len, kv_heads, D]
+        v = _gather_context(v_cache, block_tables[s], seq_len, v_scale)
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [q_len, num_heads, D]

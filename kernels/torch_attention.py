@@ -10,6 +10,10 @@ enable_gqa (both measured fastest on CPU for their case).
 A sliding window is a mask, and the blocks wholly before a chunk's window are
 not gathered at all. A soft cap or sinks, which SDPA cannot express, take
 `_eager` (the scores written out) instead.
+
+An fp8 cache (kernels/fp8_kv.py) is quantized on write and dequantized to the
+query's dtype as its blocks are gathered; such a cache is always read back, even
+by a fresh prefill, so this path computes what the Triton kernels compute.
 """
 
 from typing import NamedTuple
@@ -17,7 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels._validate import check_paged_attention, check_store_kv
+from kernels._validate import FP8_KV_DTYPE, check_paged_attention, check_store_kv
+from kernels.fp8_kv import dequantize_fp8, quantize_fp8
 
 
 # SDPA's enable_gqa (torch >= 2.5) lets query heads share kv heads without a copy.
@@ -46,6 +51,8 @@ class ScoreOptions(NamedTuple):
     sliding_window: int | None = None    # a query at p sees keys p - sliding_window + 1 .. p
     logits_soft_cap: float | None = None  # scaled scores -> cap * tanh(scores / cap)
     sinks: torch.Tensor | None = None     # [num_heads] logits in the denominator, no value
+    k_scale: torch.Tensor | None = None   # fp8 cache: [1] fp32, K = cached value * k_scale
+    v_scale: torch.Tensor | None = None   # fp8 cache: [1] fp32, V = cached value * v_scale
 
     @property
     def sdpa(self) -> bool:
@@ -112,6 +119,17 @@ def _gather_kv(k_cache, v_cache, ids):
     k = torch.index_select(k_cache, 0, ids, out=bufs[0][:numel].view(shape))
     v = torch.index_select(v_cache, 0, ids, out=bufs[1][:numel].view(shape))
     return k, v, (key, bufs)
+
+
+def _gather_dequant(k_cache, v_cache, ids, opts, dtype):
+    """_gather_kv, and an fp8 cache's blocks dequantized to `dtype` (fresh tensors: the
+    gather buffers go back at once)."""
+    k, v, token = _gather_kv(k_cache, v_cache, ids)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        return k, v, token
+    k, v = dequantize_fp8(k, opts.k_scale, dtype), dequantize_fp8(v, opts.v_scale, dtype)
+    _release(token)
+    return k, v, None
 
 
 def _release(token) -> None:
@@ -181,7 +199,8 @@ def _decode_bucket(query, k_cache, v_cache, block_tables, seq_lens, seqs, toks, 
     rows = _index(seqs, query.device)
     tok_idx = _index(toks, query.device)
     ids = _decode_block_ids(block_tables, rows, first_blocks, num_blocks)  # [B * num_blocks]
-    k, v, token = _gather_kv(k_cache, v_cache, ids)  # [B * num_blocks, block_size, kv_heads, D]
+    # [B * num_blocks, block_size, kv_heads, D]
+    k, v, token = _gather_dequant(k_cache, v_cache, ids, opts, query.dtype)
     k = k.view(batch, ctx, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, ctx, D] strided
     v = v.view(batch, ctx, kv_heads, head_dim).transpose(1, 2)
     # Keys past each sequence's own length are block padding (and keys before its window,
@@ -269,7 +288,7 @@ def prefill_cached(query, k_cache, v_cache, block_row, start, q_len, seq_len, sc
     k0 = first_block * block_size
     ids = block_row[first_block:_cdiv(seq_len, block_size)]  # [num_blocks]
     # [num_blocks, block_size, kv_heads, D] -> [1, kv_heads, seq_len - k0, D]
-    k, v, token = _gather_kv(k_cache, v_cache, ids)
+    k, v, token = _gather_dequant(k_cache, v_cache, ids, opts, query.dtype)
     k = k.view(-1, kv_heads, head_dim)[:seq_len - k0].transpose(0, 1)[None]
     v = v.view(-1, kv_heads, head_dim)[:seq_len - k0].transpose(0, 1)[None]
     q = query[start:start + q_len].transpose(0, 1)[None]  # [1, num_heads, q_len, D]
@@ -282,7 +301,7 @@ def prefill_cached(query, k_cache, v_cache, block_row, start, q_len, seq_len, sc
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, softmax_scale, out=None, *, seq_lens_cpu=None,
                           query_lens_cpu=None, key=None, value=None, sliding_window=None,
-                          logits_soft_cap=None, sinks=None):
+                          logits_soft_cap=None, sinks=None, k_scale=None, v_scale=None):
     """Pure-torch paged attention; same contract as kernels.paged_attention.
 
     query:        [num_tokens, num_heads, head_dim]
@@ -294,11 +313,16 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_se
     key, value:   optional [num_tokens, num_kv_heads, head_dim], this step's new K/V rows
         (already stored): a chunk with no cached prefix then attends over them directly.
     sliding_window, logits_soft_cap, sinks: as kernels.reference.paged_attention_ref.
+    k_scale, v_scale: [1] fp32, required for (and only for) an fp8 cache; `key`/`value`
+        are then ignored: the fresh chunk reads the quantized cache like every other.
     """
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, softmax_scale, out, sliding_window=sliding_window,
-                          logits_soft_cap=logits_soft_cap, sinks=sinks)
-    opts = ScoreOptions(sliding_window, logits_soft_cap, sinks)
+                          logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale,
+                          v_scale=v_scale)
+    opts = ScoreOptions(sliding_window, logits_soft_cap, sinks, k_scale, v_scale)
+    if k_cache.dtype == FP8_KV_DTYPE:
+        key = value = None
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens = query.shape[0]
@@ -324,14 +348,16 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_se
     return out
 
 
-def store_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """index_copy_ scatter of key/value rows into the caches; slot < 0 skips the row.
 
     key, value:       [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping:     [num_tokens]
+    k_scale, v_scale: [1] fp32, required for (and only for) an fp8 cache: rows stored
+                      as kernels.fp8_kv.quantize_fp8(row, scale)
     """
-    check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    check_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     num_slots = num_blocks * block_size
     slots = slot_mapping.to(torch.long)  # [num_tokens]
@@ -343,5 +369,10 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
         slots, key, value = slots[rows], key[rows], value[rows]
     if slots.numel() and int(slots.max()) >= num_slots:
         raise ValueError(f"slot_mapping holds slot {int(slots.max())} >= cache size {num_slots}")
+    if k_cache.dtype == FP8_KV_DTYPE:
+        # index_copy_ has no fp8 kernel on CPU: the same bytes, copied as uint8.
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        key = quantize_fp8(key, k_scale).view(torch.uint8)
+        value = quantize_fp8(value, v_scale).view(torch.uint8)
     k_cache.view(num_slots, kv_heads, head_dim).index_copy_(0, slots, key)
     v_cache.view(num_slots, kv_heads, head_dim).index_copy_(0, slots, value)

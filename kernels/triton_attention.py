@@ -13,7 +13,7 @@ import math
 import torch
 import triton
 
-from kernels._validate import check_paged_attention
+from kernels._validate import FP8_KV_DTYPE, check_paged_attention
 from kernels import triton_attention_split as split_kv
 from kernels.triton_attention_kernel import paged_attention_kernel
 
@@ -89,7 +89,8 @@ def _launch_config(max_seqlen_q: int, group: int, head_dim: int, block_size: int
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                     max_seqlen_q, softmax_scale, out=None, num_splits=None, *,
-                    sliding_window=None, logits_soft_cap=None, sinks=None):
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    k_scale=None, v_scale=None):
     """Causal attention of new query rows over the paged cache (Triton, one or two launches).
 
     query:            [num_tokens, num_heads, head_dim]  (strided view allowed)
@@ -106,11 +107,14 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
     logits_soft_cap:  None, or scores become cap * tanh(scores / cap)
     sinks:            None, or [num_heads] logits that join the softmax's denominator
                       (the last three as kernels.reference.paged_attention_ref)
+    k_scale, v_scale: [1] fp32, required for (and only for) an fp8 (e4m3) cache, which is
+                      read as cached value * scale (kernels/fp8_kv.py)
     Returns out.
     """
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, softmax_scale, out, sliding_window=sliding_window,
-                          logits_soft_cap=logits_soft_cap, sinks=sinks)
+                          logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale,
+                          v_scale=v_scale)
     _check_backend(query)
     if num_splits is None:
         num_splits = NUM_SPLITS
@@ -142,6 +146,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
     paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         part_o, part_m, part_l, out if sinks is None else sinks,
+        out if k_scale is None else k_scale, out if v_scale is None else v_scale,
         float(softmax_scale) * _LOG2_E, float(logits_soft_cap or 1.0) * _LOG2_E,
         sliding_window or 0,
         num_seqs, block_tables.shape[1], num_splits,
@@ -156,6 +161,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         HAS_SINKS=sinks is not None,
+        FP8_KV=k_cache.dtype == FP8_KV_DTYPE,
         **cfg,
     )
     if num_splits > 1:

@@ -26,6 +26,12 @@ only what is left); SOFT_CAP caps the scores (tanh from exp2, which the
 interpreter and every GPU have); HAS_SINKS folds a per-head logit with no value
 into the softmax state after the walk (in segment 0 only when split, so the
 reduce counts it once).
+
+An fp8 cache (FP8_KV): K/V tiles are e4m3 (kernels/fp8_kv.py), converted to the query's
+dtype exactly (every e4m3 value is an fp16 / bf16 value) for the dots. The per-tensor scales
+never touch a tile: k_scale joins the score scale (q . (k8 * ks) = (q . k8) * ks) and v_scale
+multiplies the accumulator once after the walk (sum p (v8 * vs) = vs * sum p v8), so the inner
+loop is the same as for a half-precision cache.
 """
 
 import triton
@@ -248,6 +254,8 @@ def paged_attention_kernel(
     part_m_ptr,        # SPLIT: [num_tokens, num_heads, num_splits] fp32 running max (log2)
     part_l_ptr,        # SPLIT: [num_tokens, num_heads, num_splits] fp32 running sum
     sinks_ptr,         # HAS_SINKS: [num_heads] logits (else unused)
+    k_scale_ptr,       # FP8_KV: [1] fp32, cached K = e4m3 value * k_scale (else unused)
+    v_scale_ptr,       # FP8_KV: [1] fp32, cached V = e4m3 value * v_scale (else unused)
     scale_log2,        # softmax_scale * log2(e): exp2 is cheaper than exp
     soft_cap_log2,     # SOFT_CAP: logits_soft_cap * log2(e) (else unused)
     sliding_window,    # SLIDING: a row at p sees keys p - sliding_window + 1 .. p (else unused)
@@ -272,6 +280,7 @@ def paged_attention_kernel(
     SLIDING: tl.constexpr,     # sliding-window attention
     SOFT_CAP: tl.constexpr,    # logit soft-capping
     HAS_SINKS: tl.constexpr,   # attention sinks
+    FP8_KV: tl.constexpr,      # the caches are e4m3 with per-tensor scales
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     kv_head = tl.program_id(1)
@@ -305,11 +314,15 @@ def paged_attention_kernel(
     if SPLIT:
         kv_start, kv_end = _segment(kv_start, kv_end, tl.program_id(2), num_splits, TILE_N)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    if FP8_KV:  # scores of the stored K come out k_scale times too small
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     acc, m_i, l_i = _attend(
         q, k_cache_ptr, v_cache_ptr, bt_row_ptr, max_blocks, kv_head * stride_c_head,
         stride_c_blk, stride_c_pos, kv_start, kv_end, q_horizon, scale_log2, sliding_window,
         soft_cap_log2, offs_d, d_valid, BLOCK_M, HEAD_DIM_P, BLOCK_SIZE, TILE_N,
         ONE_BLOCK_TILES, IEEE_DOT, SLIDING, SOFT_CAP)
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr)
     if HAS_SINKS:  # unsplit, program_id(2) is always 0
         acc, m_i, l_i = _fold_sink(acc, m_i, l_i, sinks_ptr, head, row_valid,
                                    tl.program_id(2) == 0)

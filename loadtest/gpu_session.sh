@@ -22,6 +22,8 @@
 #   bash loadtest/gpu_session.sh engine-tests  # the CUDA engine tests alone (greedy vs HF, graphs, bf16)
 #   bash loadtest/gpu_session.sh model-tests   # issue 33 natively: MoE (Triton grouped GEMMs), Gemma,
 #                                          # gpt-oss, sliding windows / soft-caps / sinks, two KV groups in graphs
+#   bash loadtest/gpu_session.sh kv-fp8    # issue 34: the fp8 KV cache's tests natively (sm_89+), then decode
+#                                          # throughput, bf16 cache vs fp8, Qwen3-0.6B shape, 256 x 512 in / 256 out
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
 # jsonschema: `bash loadtest/gpu_wheels.sh` here packs them into .whl/site.tar.xz; carry it and
 # start the device command with `mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site &&
@@ -58,7 +60,7 @@ case "$stage" in
   kernel-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_attention.py \
       tests/test_kernels_attention_split.py tests/test_kernels_store_kv.py tests/test_kernels_validation.py \
-      2>&1 | tee "$out/kernel_tests.log" ;;
+      tests/test_kernels_fp8_kv.py 2>&1 | tee "$out/kernel_tests.log" ;;
   kernel-sweep)
     # All knobs take ~minutes of compiles; name a few (e.g. NUM_SPLITS KV_TILE) to stay in one command.
     shift
@@ -105,9 +107,15 @@ case "$stage" in
       tests/test_kernels_fused_moe_swiglu.py tests/test_gemma.py tests/test_gpt_oss.py tests/test_sliding_window.py \
       tests/test_phi3.py tests/test_rotary.py tests/test_kernels_attention.py tests/test_kernels_attention_split.py \
       2>&1 | tee "$out/model_tests.log" ;;
+  kv-fp8)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_fp8_kv.py tests/test_kv_cache_fp8.py \
+      2>&1 | tee "$out/kv_fp8_tests.log"
+    qwen3_model
+    python3 -m loadtest.kv_dtype_bench --device cuda --model "$QWEN3" --num-seqs 256 --prompt-len 512 \
+      --output-len 256 --kv-cache-dtypes auto,fp8 --out "$out/kv_dtype_bench.json" 2>&1 | tee "$out/kv_dtype_bench.log" ;;
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8)"
      exit 2 ;;
 esac

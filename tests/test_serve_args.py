@@ -24,6 +24,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
     ({"model": "m", "tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"model": "m", "min_replicas": 3, "max_replicas": 2}, "min_replicas"),
     ({"model": "m", "block_size": 12}, "block_size"),
+    ({"model": "m", "kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype='fp8_e5m2'"),
     ({"model": "m", "metrics_prefix": "bad-name"}, "metrics_prefix"),
     ({"model": "m", "max_num_seqs": "many"}, "max_num_seqs"),
     ({"model": "m", "no_such_arg": 1}, "no_such_arg"),
@@ -42,6 +43,11 @@ def test_cli_strings_are_coerced():  # `serve run serve_app.app:build_app max_ba
                         "enable_prefix_caching": "false", "api_key": "k"})
     assert (a.max_batch_size, a.batch_wait_timeout_s, a.enable_prefix_caching, a.api_key) == (4, 0.01, False, "k")
     assert a.model_name == "m"
+
+
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_reaches_the_engine_config(value):  # `serve run ... kv_cache_dtype=fp8`
+    assert parse_app_args({"model": "m", "kv_cache_dtype": value}).engine_config("cpu").kv_cache_dtype == value
 
 
 def _gpu_nodes(monkeypatch, gpus_per_node: list[float], started_here: bool = True) -> None:
@@ -205,7 +211,7 @@ ENGINE_VALUES = {
     "block_size": 32, "num_kv_blocks": 64, "gpu_memory_utilization": 0.5, "cpu_kv_cache_gb": 1.5,
     "enable_prefix_caching": False, "enforce_eager": True, "attention_backend": "torch", "seed": 7,
     "async_scheduling": False, "distributed_init_method": "tcp://127.0.0.1:29555", "worker_start_timeout_s": 30.0,
-    "reasoning_parser": "qwen3", "quantization": "int8",
+    "reasoning_parser": "qwen3", "quantization": "int8", "kv_cache_dtype": "fp8",
 }
 
 

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names: getattr(torch, name)
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("triton", "torch")     # engine/layers/attention.py loads their kernels
+# vLLM's names: "auto" = the model's dtype; "fp8" and "fp8_e4m3" = float8_e4m3fn, per-tensor scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
 # Pages are only touched when used, so an unused budget costs address space, not RAM.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -46,6 +48,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    # "fp8": K/V cached as e4m3 with a scale per layer (the checkpoint's k_scale / v_scale, else 1.0),
+    # half fp16's bytes per block, so twice the blocks fit the same budget.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Overlapped scheduling: plan and launch step N+1 before step N's tokens are read back.
     # None: on for CUDA with tensor_parallel_size 1 (on CPU the forward is synchronous, so there
@@ -61,6 +66,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, ("auto",) + DTYPES)
         _choice("device", self.device, ("auto",) + DEVICES)
         _choice("attention_backend", self.attention_backend, ("auto",) + ATTENTION_BACKENDS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -102,6 +108,8 @@ class EngineConfig:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = on_cuda and self.tensor_parallel_size == 1
+        if on_cuda and self.kv_cache_dtype != "auto":
+            _check_fp8_kv_cache(self.kv_cache_dtype)
         quantization = resolve_quantization(self.quantization, model_config.quantization, is_gguf=False)
         if quantization is not None:
             _check_quantization_config(quantization, model_config)
@@ -127,6 +135,17 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
     return device
+
+
+def _check_fp8_kv_cache(kv_cache_dtype: str) -> None:
+    """Triton converts to and from e4m3 only from sm_89 (Ada, Hopper) on: refuse older GPUs at
+    start, naming the knob, rather than failing in the first kernel compile."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= 8.9 "
+                         f"(Ada, Hopper); this one is {major}.{minor}")
 
 
 def _check_quantization_config(method: str, model_config: ModelConfig) -> None:

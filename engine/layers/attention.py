@@ -9,6 +9,10 @@ constructors never carry it.
 Per layer, a sliding window (Mistral, Qwen2's upper layers, Gemma's local
 layers), a logit soft cap (Gemma 2) and attention sinks (gpt-oss) go to the
 kernels as they are; kernels/reference.py states what each means.
+
+With kv_cache_dtype="fp8" the caches are float8_e4m3fn and the runner also sets
+`k_scale` / `v_scale` ([1] fp32, kernels/fp8_kv.py): the kernels quantize on
+store and dequantize on read.
 """
 from __future__ import annotations
 
@@ -20,16 +24,20 @@ from engine.executor.parallel_state import get_tp_rank, get_tp_size
 from engine.worker.forward_context import get_forward_context
 
 
-def _load_backend(backend: str):
+def _load_backend(backend: str, fp8_kv: bool = False):
     """(store_kv, paged_attention, is_cpu_path) for a backend name.
 
     The "torch" backend is the CPU path: the fused C kernel for fp32 CPU tensors,
     pure torch otherwise (kernels.cpu_attention decides per call). It takes host
     copies of the lengths and this step's K/V rows, so fresh prefills skip the cache.
+    With an fp8 cache it is pure torch always: the C kernel reads fp32 caches only.
     """
     if backend == "triton":
         from kernels import paged_attention, store_kv
         return store_kv, paged_attention, False
+    if backend == "torch" and fp8_kv:
+        from kernels.torch_attention import paged_attention_torch, store_kv_torch
+        return store_kv_torch, paged_attention_torch, True
     if backend == "torch":
         from kernels.cpu_attention import paged_attention_cpu, store_kv_cpu
         return store_kv_cpu, paged_attention_cpu, True
@@ -68,18 +76,21 @@ class Attention(nn.Module):
         # model's state_dict / .to() must not copy it.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An fp8 cache's per-tensor scales, [1] fp32 on the cache's device; None for any other cache.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         # Which KV cache group's slots and block tables this layer reads (engine.core.kv_cache_groups);
         # set by the runner with the cache.
         self.kv_group = 0
 
-    def set_backend(self, backend: str) -> None:
-        """Choose the kernels, once, for a model the runner has built.
+    def set_backend(self, backend: str, fp8_kv: bool = False) -> None:
+        """Choose the kernels, once, for a model the runner has built (fp8_kv: its cache is fp8).
 
         Set on the module like the KV cache, not passed to every model constructor (the
         choice is the runner's, from the resolved config) and not read from the forward
         context (that carries per-step metadata only; the backend is fixed for the model).
         """
-        self._store_kv, self._paged_attention, self._cpu_path = _load_backend(backend)
+        self._store_kv, self._paged_attention, self._cpu_path = _load_backend(backend, fp8_kv)
         self.backend = backend
 
     def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -108,10 +119,11 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         slot_mapping, block_tables = md.kv_group(self.kv_group)
-        self._store_kv(k, v, self.k_cache, self.v_cache, slot_mapping)
-        extra = {}
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        self._store_kv(k, v, self.k_cache, self.v_cache, slot_mapping, **scales)
+        extra = dict(scales)
         if self._cpu_path:
-            extra = dict(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu, key=k, value=v)
+            extra.update(seq_lens_cpu=md.seq_lens_cpu, query_lens_cpu=md.query_lens_cpu, key=k, value=v)
         if self.sliding_window is not None:
             extra["sliding_window"] = self.sliding_window
         if self.logits_soft_cap is not None:

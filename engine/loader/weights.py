@@ -18,8 +18,9 @@ from torch import nn
 from engine.layers.linear import copy_weight
 
 _INDEX_FILE = "model.safetensors.index.json"
-# Checkpoint tensors we recompute rather than load.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint tensors we recompute rather than load, or that only an fp8 KV cache reads
+# (engine/loader/kv_scales.py).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 # One expert's projection in a MoE layer: `...mlp.experts.3.gate_proj.weight`.
 _EXPERT_TENSOR = re.compile(r"\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 

@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.executor.parallel_state import get_tp_size
 from engine.worker.forward_context import AttentionMetadata, set_forward_context, to_device
 from engine.loader.gguf_config import gguf_source
+from engine.loader.kv_scales import layer_kv_scales, read_kv_scales
 from engine.worker.kv_cache import allocate_kv_tensor
 from engine.layers.attention import Attention
 from engine.layers.cpu_gemm import pack_module_weight
@@ -41,14 +42,19 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
+        # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-layer scales (kernels/fp8_kv.py).
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.attention_backend = config.attention_backend
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = self._build_model(model_path)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # The runner owns the backend choice, as it owns the KV cache: model constructors never see it.
+        fp8_kv = self.kv_cache_dtype == torch.float8_e4m3fn
         for layer in self.attn_layers:
-            layer.set_backend(self.attention_backend)
+            layer.set_backend(self.attention_backend, fp8_kv)
+        if fp8_kv:
+            self._set_kv_scales(model_path)
         self.kv_groups = kv_cache_groups(model_config.layer_types, model_config.sliding_window,
                                          len(self.attn_layers))
         for g, group in enumerate(self.kv_groups):
@@ -96,6 +102,19 @@ class ModelRunner:
         quantize_linear_layers(model, quant_config)
         return model
 
+    def _set_kv_scales(self, model_path: Path) -> None:
+        """Each attention's k_scale / v_scale: the checkpoint's (engine/loader/kv_scales.py), else 1.0."""
+        scales = {} if gguf_source(model_path) is not None else read_kv_scales(model_path)
+        if not scales:
+            logger.warning("kv_cache_dtype=%s: the checkpoint has no k_scale/v_scale, using 1.0 "
+                           "(K/V values past 448 saturate)", self.config.kv_cache_dtype)
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, Attention):
+                # Our Attention sits one module below the checkpoint's self_attn ("...self_attn.attn").
+                k, v = layer_kv_scales(scales, name.rsplit(".", 1)[0])
+                layer.k_scale = torch.tensor([k], dtype=torch.float32, device=self.device)
+                layer.v_scale = torch.tensor([v], dtype=torch.float32, device=self.device)
+
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         attn = self.attn_layers[0]
         return (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
@@ -106,7 +125,7 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for a in self.attn_layers for t in (a.k_cache, a.v_cache))
 
     def _bytes_per_layer_block(self) -> int:
-        return 2 * math.prod(self._kv_cache_shape(1)) * self.dtype.itemsize
+        return 2 * math.prod(self._kv_cache_shape(1)) * self.kv_cache_dtype.itemsize
 
     def _group_num_block_ids(self, num_kv_blocks: int) -> list[int]:
         """Rows of each group's cache tensors: its usable blocks, plus a sliding pool's null block."""
@@ -182,8 +201,8 @@ class ModelRunner:
         # On CPU the zero pages are the kernel's, made resident only when written (engine/worker/kv_cache.py).
         for layer in self.attn_layers:
             shape = self._kv_cache_shape(group_num_block_ids[layer.kv_group])
-            layer.k_cache = allocate_kv_tensor(shape, self.dtype, self.device)
-            layer.v_cache = allocate_kv_tensor(shape, self.dtype, self.device)
+            layer.k_cache = allocate_kv_tensor(shape, self.kv_cache_dtype, self.device)
+            layer.v_cache = allocate_kv_tensor(shape, self.kv_cache_dtype, self.device)
 
     # -- one step ------------------------------------------------------------
     # A step is collect(sample(forward(...))), called apart so steps can overlap: step N+1's
