@@ -178,7 +178,8 @@ def test_weights_load_in_the_engine_dtype(tiny_qwen2, tmp_path):
     write_gguf(tiny_qwen2, tmp_path / "m.gguf", Q.Q8_0)
     llm = LLM(str(tmp_path / "m.gguf"), dtype="bfloat16", device="cpu")
     model = llm.llm_engine.executor.runner.model
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # uint8: the Q8_0 linear weights, kept as their blocks (engine/layers/quantization/gguf.py)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.uint8}
 
 
 def test_tensor_parallel_shards_gguf_weights(tiny_llama, tmp_path):

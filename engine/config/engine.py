@@ -110,7 +110,7 @@ class EngineConfig:
             async_scheduling = on_cuda and self.tensor_parallel_size == 1
         if on_cuda and self.kv_cache_dtype != "auto":
             _check_fp8_kv_cache(self.kv_cache_dtype)
-        quantization = resolve_quantization(self.quantization, model_config.quantization, is_gguf=False)
+        quantization = resolve_quantization(self.quantization, model_config.quantization, _is_gguf(self.model))
         if quantization is not None:
             _check_quantization_config(quantization, model_config)
         return dataclasses.replace(
@@ -146,6 +146,20 @@ def _check_fp8_kv_cache(kv_cache_dtype: str) -> None:
     if (major, minor) < (8, 9):
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= 8.9 "
                          f"(Ada, Hopper); this one is {major}.{minor}")
+
+
+def _is_gguf(model: str) -> bool:
+    """Whether `model` names a GGUF: a .gguf file, a directory holding one, or a GGUF's HF view.
+    Local paths only (a hub id is never a GGUF here: the hub download takes no .gguf)."""
+    from pathlib import Path
+
+    from engine.loader.gguf_config import find_gguf, gguf_source  # torch-free
+
+    path = Path(model).expanduser()
+    try:
+        return find_gguf(path) is not None or (path.is_dir() and gguf_source(path) is not None)
+    except (OSError, ValueError):  # several .gguf files: resolve_model_path names that first
+        return False
 
 
 def _check_quantization_config(method: str, model_config: ModelConfig) -> None:

@@ -15,6 +15,11 @@ named as the model's `expert_params_mapping` names it (Mixtral's w1/w3/w2, Qwen'
 `rope_freqs.weight` (Llama 3.1+ files: llama.cpp's converter writes the llama3 RoPE scaling as one
 divisor per frequency, and no scaling in the metadata) is used as llama.cpp uses it: the model's
 rotary table is rebuilt with inv_freq / rope_freqs.
+
+Linear layers built with the "gguf" method (engine.layers.quantization.gguf, the default for a
+GGUF) get their Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K tensors as stored instead (`GGUFBlocks`: the
+raw rows, Q/K rows un-permuted as whole rows), and keep them quantized; their other types,
+the embeddings, the LM head, norms and experts are dequantized as above.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from torch import nn
 
+from engine.layers.linear import LinearBase
+from engine.layers.quantization import checkpoint_prefixes
+from engine.layers.quantization.gguf import PACKED_TYPES, GGUFBlocks, GGUFLinearMethod
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader.gguf_config import check_gguf
 # The safetensors loader's own name mapping, so both formats fill parameters the same way.
@@ -110,13 +118,35 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.swapaxes(1, 2)).reshape(weight.shape)
 
 
-def _hf_tensor(tensor, name: str, arch: str, config) -> torch.Tensor:
-    array = dequantize_tensor(tensor)
+def _unpermuted(array: np.ndarray, name: str, arch: str, config) -> np.ndarray:
+    """llama.cpp's Q/K row permutation undone; it moves whole rows, so it applies to float
+    rows and to rows of quantized blocks alike."""
     if arch in _PERMUTED_ARCHS and ".self_attn.q_proj." in name:
-        array = unpermute_rows(array, config.num_attention_heads)
-    elif arch in _PERMUTED_ARCHS and ".self_attn.k_proj." in name:
-        array = unpermute_rows(array, config.num_key_value_heads)
-    elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+        return unpermute_rows(array, config.num_attention_heads)
+    if arch in _PERMUTED_ARCHS and ".self_attn.k_proj." in name:
+        return unpermute_rows(array, config.num_key_value_heads)
+    return array
+
+
+def _hf_blocks(tensor, name: str, arch: str, config) -> GGUFBlocks:
+    """A quantized 2-D tensor as stored: uint8 [out, row_bytes] rows in HF order (not dequantized)."""
+    rows = np.array(_unpermuted(tensor.data, name, arch, config))  # a copy, off the memory map
+    return GGUFBlocks(torch.from_numpy(rows), int(tensor.tensor_type))
+
+
+def _packed_names(model: nn.Module) -> set[str]:
+    """HF names of the weights that GGUF-method layers take as blocks: each part's checkpoint
+    name (q_proj, ...) and the layer's own (a fused tensor, as phi3's attn_qkv)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, LinearBase) and isinstance(module.quant_method, GGUFLinearMethod):
+            names.update(f"{p}.weight" for p in [*checkpoint_prefixes(model, prefix), prefix])
+    return names
+
+
+def _hf_tensor(tensor, name: str, arch: str, config) -> torch.Tensor:
+    array = _unpermuted(dequantize_tensor(tensor), name, arch, config)
+    if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
         array -= np.float32(1)
     elif name.endswith(".shared_expert_gate.weight") and array.ndim == 1:  # [H] as some files hold it: HF's [1, H]
         array = array[None]
@@ -153,6 +183,7 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
     arch = check_gguf(reader, path.name)
     config = model.config
     tied = config.tie_word_embeddings
+    packed = _packed_names(model)
 
     def tensors():
         for tensor in reader.tensors:
@@ -160,7 +191,9 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
                 yield from _expert_tensors(model, tensor, match)
                 continue
             name = _checkpoint_name(model, hf_name(tensor.name, arch))
-            if not (tied and name == "lm_head.weight") and tensor.name not in (_ROPE_FREQS, *_CONFIG_TENSORS):
+            if name in packed and tensor.tensor_type in PACKED_TYPES and len(tensor.data.shape) == 2:
+                yield tensor.name, name, lambda tensor=tensor, name=name: _hf_blocks(tensor, name, arch, config)
+            elif not (tied and name == "lm_head.weight") and tensor.name not in (_ROPE_FREQS, *_CONFIG_TENSORS):
                 yield tensor.name, name, lambda tensor=tensor, name=name: _hf_tensor(tensor, name, arch, config)
 
     load_named_tensors(model, tensors(), f"GGUF {path.name}", "tensors")
