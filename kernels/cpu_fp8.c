@@ -22,27 +22,60 @@
 #include "cpu_simd.h"
 
 /* Weight rows dequantized together: each x chunk loaded serves NR of them. */
-#define NR 4
+#define NR 3
 /* x rows per register block: NR * MR accumulators + NR weights + one x fit in 32 registers. */
-#define MR 6
+#define MR 8
+/* Up to this many x rows (at most MR), weights are converted in registers, never stored (direct_dot). */
+#define DIRECT_MAX_M 8
 #define PARALLEL_MIN_MACS 65536 /* below this many multiply-adds a call runs single-threaded */
 #define ERR_NOMEM 1
 
-typedef int8_t bvec __attribute__((vector_size(CHUNK)));
+typedef int8_t bvec __attribute__((vector_size(CHUNK), aligned(1)));
+typedef int16_t hvec __attribute__((vector_size(CHUNK * 2)));
 typedef uint32_t uvec __attribute__((vector_size(CHUNK * 4)));
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* CHUNK bytes sign-extended to int32 lanes. GCC lowers a direct byte -> int convertvector to
+ * 16 scalar loads (the kernel then ran at ~1 ns an element); AVX-512 has it in one instruction,
+ * and elsewhere going through int16 keeps it in vector registers. */
+INLINE ivec widen_bytes(const uint8_t *p) {
+#ifdef __AVX512F__
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    ivec r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const bvec *)p, hvec), ivec);
+#endif
+}
 
 #define MAG_SIGN 0x87f00000u /* sign (bit 31) and the 7 magnitude bits at 20..26 */
 #define MAG 0x07f00000u
 #define QNAN 0x7fc00000u
 
-/* CHUNK codes -> their values times `factor` (= scale * 2^120). */
-INLINE vec e4m3_chunk(const uint8_t *p, float factor) {
-    bvec b;
-    memcpy(&b, p, CHUNK);
+/* CHUNK codes -> their values times `factor` (= scale * 2^120). With nan = 0 (a constant where
+ * inlined) the caller has checked there are no NaN codes: that check is 3 of 8 ops a chunk. */
+INLINE vec e4m3_chunk(const uint8_t *p, float factor, int nan) {
     /* sign-extended: bit 7 copied into 8..31, so after << 20 the sign reaches bit 31 */
-    uvec bits = ((uvec)__builtin_convertvector(b, ivec) << 20) & MAG_SIGN;
-    bits |= (uvec)((bits & MAG) == MAG) & QNAN;
+    uvec bits = ((uvec)widen_bytes(p) << 20) & MAG_SIGN;
+    if (nan) bits |= (uvec)((bits & MAG) == MAG) & QNAN;
     return (vec)bits * factor;
+}
+
+/* Whether any of the n codes at p is a NaN (0x7f / 0xff): 64 codes a step, a few ops each. */
+static int has_nan_code(const uint8_t *p, int64_t n) {
+    typedef uint8_t b64 __attribute__((vector_size(64), aligned(1)));
+    b64 hit = {0};
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) hit |= (b64)((*(const b64 *)(p + i) & 0x7f) == 0x7f);
+    uint64_t lanes[8], any = 0;
+    memcpy(lanes, &hit, sizeof lanes);
+    for (int l = 0; l < 8; l++) any |= lanes[l];
+    for (; i < n; i++) any |= (p[i] & 0x7f) == 0x7f;
+    return any != 0;
 }
 
 INLINE float e4m3_one(uint8_t b, float factor) {
@@ -59,7 +92,7 @@ static void dequant_segment(const uint8_t *w, float *out, int64_t len, float s) 
     float pre = s * 0x1p120f, post = 1.0f;
     if (!isfinite(pre)) pre = 0x1p120f, post = s;
     int64_t k = 0;
-    for (; k + CHUNK <= len; k += CHUNK) STORE(out + k, e4m3_chunk(w + k, pre) * post);
+    for (; k + CHUNK <= len; k += CHUNK) STORE(out + k, e4m3_chunk(w + k, pre, 1) * post);
     for (; k < len; k++) out[k] = e4m3_one(w[k], pre) * post;
 }
 
@@ -77,9 +110,34 @@ void rayllm_fp8_dequant_rows_f32(const uint8_t *w, const float *scale, int64_t s
         dequant_row(w + r * K, scale + (r / bn) * scale_cols, bk, K, out + (r - r0) * K);
 }
 
-/* acc[j][i] = dot(wbuf row j, x row i) for j < NR, i < mr (mr a constant where inlined). */
-INLINE void block_dot(const float *wbuf, const float *x, int64_t xs, int64_t K, int mr,
-                      float out[NR][MR]) {
+/* The call's arguments, as every group of NR weight rows reads them. */
+typedef struct {
+    const float *x;            /* [M, K], rows xs apart */
+    int64_t xs;
+    const uint8_t *w;          /* [N, K] */
+    const float *scale;        /* [ceil(N / bn), scale_cols] */
+    int64_t scale_cols, bn, bk;
+    const float *bias;         /* [N] or NULL */
+    float *y;                  /* [M, N] */
+    int64_t M, N, K;
+} fp8_args;
+
+/* Calls FN(..., mr) with mr = min(M_LEFT, MR) as a constant, so the register loops unroll. */
+#define BY_MR(M_LEFT, FN, ...)                                                                   \
+    switch ((M_LEFT) < MR ? (int)(M_LEFT) : MR) {                                                \
+    case 1: FN(__VA_ARGS__, 1); break;                                                           \
+    case 2: FN(__VA_ARGS__, 2); break;                                                           \
+    case 3: FN(__VA_ARGS__, 3); break;                                                           \
+    case 4: FN(__VA_ARGS__, 4); break;                                                           \
+    case 5: FN(__VA_ARGS__, 5); break;                                                           \
+    case 6: FN(__VA_ARGS__, 6); break;                                                           \
+    case 7: FN(__VA_ARGS__, 7); break;                                                           \
+    default: FN(__VA_ARGS__, MR); break;                                                         \
+    }
+
+/* out[j][i] = dot(wbuf row j, x row i) for j < NR, i < mr. */
+INLINE void buffer_dot(const float *wbuf, const float *x, int64_t xs, int64_t K, float out[NR][MR],
+                       int mr) {
     vec acc[NR][MR];
     for (int j = 0; j < NR; j++)
         for (int i = 0; i < mr; i++) acc[j][i] = splat(0.0f);
@@ -100,53 +158,100 @@ INLINE void block_dot(const float *wbuf, const float *x, int64_t xs, int64_t K, 
         }
 }
 
-/* The NR rows in wbuf against every x row; y columns n0..n0+nr. */
-static void rows_times_x(const float *wbuf, const float *x, int64_t xs, const float *bias, float *y,
-                         int64_t M, int64_t N, int64_t K, int64_t n0, int nr) {
-    float out[NR][MR];
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const float *xm = x + m0 * xs;
-        switch (M - m0 < MR ? (int)(M - m0) : MR) { /* constant mr: the loops unroll */
-        case 1: block_dot(wbuf, xm, xs, K, 1, out); break;
-        case 2: block_dot(wbuf, xm, xs, K, 2, out); break;
-        case 3: block_dot(wbuf, xm, xs, K, 3, out); break;
-        case 4: block_dot(wbuf, xm, xs, K, 4, out); break;
-        case 5: block_dot(wbuf, xm, xs, K, 5, out); break;
-        default: block_dot(wbuf, xm, xs, K, MR, out); break;
+/* out[j][i] = dot(fp8 row n0 + j, x row i), converted in registers (M <= MR: one pass over x
+ * rows, so nothing is converted twice). Rows past N repeat row N - 1 (their sums are dropped).
+ * Needs every scale * 2^120 finite and no NaN codes (direct_ok). */
+INLINE void direct_dot(const fp8_args *a, int64_t n0, float out[NR][MR], int mr) {
+    const uint8_t *wr[NR];
+    const float *sr[NR];
+    vec acc[NR][MR];
+    float tail[NR][MR];
+    for (int j = 0; j < NR; j++) {
+        const int64_t r = n0 + j < a->N ? n0 + j : a->N - 1;
+        wr[j] = a->w + r * a->K;
+        sr[j] = a->scale + (r / a->bn) * a->scale_cols;
+        for (int i = 0; i < mr; i++) acc[j][i] = splat(0.0f), tail[j][i] = 0.0f;
+    }
+    for (int64_t k0 = 0, b = 0; k0 < a->K; k0 += a->bk, b++) { /* one scale per row per segment */
+        const int64_t end = a->K - k0 < a->bk ? a->K : k0 + a->bk;
+        float f[NR];
+        for (int j = 0; j < NR; j++) f[j] = sr[j][b] * 0x1p120f;
+        int64_t k = k0;
+        for (; k + CHUNK <= end; k += CHUNK) {
+            vec wv[NR];
+            for (int j = 0; j < NR; j++) wv[j] = e4m3_chunk(wr[j] + k, f[j], 0);
+            for (int i = 0; i < mr; i++) {
+                const vec xv = LOAD(a->x + i * a->xs + k);
+                for (int j = 0; j < NR; j++) acc[j][i] += xv * wv[j];
+            }
         }
-        const int64_t mr = M - m0 < MR ? M - m0 : MR;
-        for (int64_t i = 0; i < mr; i++)
-            for (int j = 0; j < nr; j++)
-                y[(m0 + i) * N + n0 + j] = out[j][i] + (bias ? bias[n0 + j] : 0.0f);
+        for (; k < end; k++)
+            for (int j = 0; j < NR; j++)
+                for (int i = 0; i < mr; i++) tail[j][i] += a->x[i * a->xs + k] * e4m3_one(wr[j][k], f[j]);
+    }
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < mr; i++) out[j][i] = hsum(acc[j][i]) + tail[j][i];
+}
+
+/* Whether direct_dot may take rows n0..n0+nr: no NaN code, every scale times 2^120 finite.
+ * Otherwise (no real checkpoint) the rows go through dequant_row, which handles both. */
+static int direct_ok(const fp8_args *a, int64_t n0, int nr) {
+    if (has_nan_code(a->w + n0 * a->K, nr * a->K)) return 0;
+    for (int j = 0; j < nr; j++) {
+        const float *sr = a->scale + ((n0 + j) / a->bn) * a->scale_cols;
+        for (int64_t b = 0; b < a->scale_cols; b++)
+            if (!isfinite(sr[b] * 0x1p120f)) return 0;
+    }
+    return 1;
+}
+
+/* y[m0 + i, n0 + j] = out[j][i] (+ bias) for i < mr, j < nr. */
+static void store_out(const fp8_args *a, float out[NR][MR], int64_t m0, int64_t n0, int nr) {
+    const int64_t mr = a->M - m0 < MR ? a->M - m0 : MR;
+    for (int64_t i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++)
+            a->y[(m0 + i) * a->N + n0 + j] = out[j][i] + (a->bias ? a->bias[n0 + j] : 0.0f);
+}
+
+/* The weight rows n0..n0+nr against every x row. Decode-sized M converts in registers; larger M
+ * dequantizes the rows once into wbuf ([NR, K] fp32, in L1/L2) and reads them per block of x rows. */
+static void row_group(const fp8_args *a, float *wbuf, int64_t n0) {
+    const int nr = a->N - n0 < NR ? (int)(a->N - n0) : NR;
+    float out[NR][MR];
+    if (a->M <= DIRECT_MAX_M && direct_ok(a, n0, nr)) {
+        BY_MR(a->M, direct_dot, a, n0, out);
+        store_out(a, out, 0, n0, nr);
+        return;
+    }
+    for (int j = 0; j < nr; j++)
+        dequant_row(a->w + (n0 + j) * a->K, a->scale + ((n0 + j) / a->bn) * a->scale_cols, a->bk, a->K,
+                    wbuf + j * a->K);
+    memset(wbuf + nr * a->K, 0, (NR - nr) * a->K * sizeof(float)); /* the last group's missing rows */
+    for (int64_t m0 = 0; m0 < a->M; m0 += MR) {
+        BY_MR(a->M - m0, buffer_dot, wbuf, a->x + m0 * a->xs, a->xs, a->K, out);
+        store_out(a, out, m0, n0, nr);
     }
 }
 
-/* y [M, N] = x @ (fp8(w) * scale).T (+ bias). Parallel over groups of NR weight rows: each
- * group is dequantized once into a per-thread buffer ([NR, K] fp32, in L1/L2) and dotted
- * with all M rows of x, so w is read from memory once whatever M is. Returns 0, or
- * ERR_NOMEM when a thread's buffer could not be allocated (y is then incomplete). */
+/* y [M, N] = x @ (fp8(w) * scale).T (+ bias), parallel over groups of NR weight rows: w is read
+ * from memory once whatever M is. Returns 0, or ERR_NOMEM when a thread's row buffer could not
+ * be allocated (y is then incomplete). */
 int rayllm_fp8_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *scale,
                           int64_t scale_cols, int64_t bn, int64_t bk, const float *bias, float *y,
                           int64_t M, int64_t N, int64_t K) {
+    const fp8_args a = {x, x_stride, w, scale, scale_cols, bn, bk, bias, y, M, N, K};
     const int64_t groups = (N + NR - 1) / NR;
     int err = 0;
 #pragma omp parallel if (M * N * K >= PARALLEL_MIN_MACS)
     {
-        float *wbuf = malloc(NR * K * sizeof(float));
+        float *wbuf = malloc(NR * K * sizeof(float)); /* small: allocated even where unused */
         if (wbuf == NULL) {
 #pragma omp atomic write
             err = ERR_NOMEM;
         }
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (wbuf == NULL) continue;
-            const int64_t n0 = g * NR;
-            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-            for (int j = 0; j < nr; j++)
-                dequant_row(w + (n0 + j) * K, scale + ((n0 + j) / bn) * scale_cols, bk, K, wbuf + j * K);
-            memset(wbuf + nr * K, 0, (NR - nr) * K * sizeof(float)); /* the last group's missing rows */
-            rows_times_x(wbuf, x, x_stride, bias, y, M, N, K, n0, nr);
-        }
+        for (int64_t g = 0; g < groups; g++)
+            if (wbuf != NULL) row_group(&a, wbuf, g * NR);
         free(wbuf);
     }
     return err;

@@ -110,7 +110,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block=None
                                         scale_cols, bn, bk, None if b is None else b.data_ptr(),
                                         y.data_ptr(), x2.shape[0], n, k)
         if err:
-            raise MemoryError(f"cpu_fp8: no memory for a [4, {k}] fp32 row buffer")
+            raise MemoryError(f"cpu_fp8: no memory for a per-thread [rows, {k}] fp32 buffer")
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 

@@ -112,14 +112,16 @@ def test_a_nan_code_poisons_its_column_only():
 @needs_kernel
 @pytest.mark.parametrize("block", [None, (16, 32)])
 def test_layer_compute_either_side_of_the_row_threshold(block):
-    """choose_compute picks the kernel on CPU; few rows go fused, many go through C-dequantized tiles
-    (w taller than one tile, so several); both equal the dequantized product."""
-    n, k = 4096 + 48, 96  # TILE_ELEMS // 96 = 2730 rows a tile
-    w, scale = _weight(n, k), _scale("row" if block is None else "block", n, k, block)
-    compute = fp8.choose_compute(block, torch.device("cpu"), k, n)
+    """choose_compute picks the kernel on CPU; rows up to 8 are converted in registers, more up to
+    FUSED_MAX_ROWS through the kernel's row buffer, more still through C-dequantized tiles (w taller
+    than one tile, so two); all equal the dequantized product."""
+    compute = fp8.choose_compute(block, torch.device("cpu"), 96, 1)
     assert isinstance(compute, fp8.CpuFp8Kernel)
+    k = 96
+    n = compute.tile_elems // k + 37
+    w, scale = _weight(n, k), _scale("row" if block is None else "block", n, k, block)
     bias = torch.randn(n)
-    for m in (1, fp8.FUSED_MAX_ROWS, fp8.FUSED_MAX_ROWS + 1):
+    for m in (1, 8, 9, fp8.FUSED_MAX_ROWS, fp8.FUSED_MAX_ROWS + 1):
         x = torch.randn(m, k)
         torch.testing.assert_close(compute(x, w, scale, None, bias),
                                    torch.nn.functional.linear(x, _dense(w, scale, block), bias), **TOL)
