@@ -5,11 +5,14 @@
  * Layout, for W [N out, K in] with its input rows sorted by group (the wrapper permutes x's
  * columns to match when act-order scattered them):
  *
- *   codes  [N, K / 2] uint8   each output's codes along K, in blocks of 32 inputs:
- *                             byte j of block b (j < 16) holds k = 32b + j in its low nibble
- *                             and k = 32b + j + 16 in its high one, so one 16-byte load gives
- *                             two runs of 16 consecutive k without shuffles. A last block of
- *                             w < 32 inputs (K % 32, a multiple of 8) pairs j with j + w / 2.
+ *   codes  [N * K / 2] uint8  4 outputs (NR) at a time, their codes along K interleaved by
+ *                             blocks of 32 inputs: block b of the outputs 4i..4i+3 is 4 runs
+ *                             of 16 bytes, one per output, so a thread reads one stream.
+ *                             Byte j of a run holds k = 32b + j in its low nibble and
+ *                             k = 32b + j + 16 in its high one: one 16-byte load gives two runs
+ *                             of 16 consecutive k without shuffles. A last block of w < 32
+ *                             inputs (K % 32, a multiple of 8) pairs j with j + w / 2, and a
+ *                             last group of fewer than 4 outputs interleaves just those.
  *   scales [N, S] fp16        per output and segment (a run of sorted k in one group)
  *   zeros  [N, S] uint8       the true zero point, 0..16
  *   bounds [S + 1] int32      segment s covers k in [bounds[s], bounds[s + 1])
@@ -61,20 +64,26 @@ typedef struct {
     const uint16_t *scales;
     const uint8_t *zeros;
     const int32_t *bounds;
-    int64_t num_segments, K;
+    int64_t num_segments, K, N;
 } Weights;
 
+/* The bytes of output n's block of inputs starting at b (a multiple of BLOCK). */
+INLINE const uint8_t *block_at(const Weights *wt, int64_t n, int64_t b) {
+    const int64_t n0 = n - n % NR, nr = wt->N - n0 < NR ? wt->N - n0 : NR;
+    const int64_t w = wt->K - b < BLOCK ? wt->K - b : BLOCK;
+    return wt->codes + n0 * (wt->K / 2) + (b / 2) * nr + (n - n0) * (w / 2);
+}
+
 /* The input k of the code in byte `byte` (relative to the block at b, width w), nibble hi. */
-static inline uint8_t code_at(const uint8_t *row, int64_t K, int64_t k) {
-    const int64_t b = k - k % BLOCK, w = K - b < BLOCK ? K - b : BLOCK, j = k - b;
-    const uint8_t byte = row[b / 2 + (j < w / 2 ? j : j - w / 2)];
+static inline uint8_t code_at(const Weights *wt, int64_t n, int64_t k) {
+    const int64_t b = k - k % BLOCK, w = wt->K - b < BLOCK ? wt->K - b : BLOCK, j = k - b;
+    const uint8_t byte = block_at(wt, n, b)[j < w / 2 ? j : j - w / 2];
     return j < w / 2 ? byte & 0xf : byte >> 4;
 }
 
 /* out[k - k0] = W[n, k] for k in [k0, k1) (k0 a multiple of BLOCK), segment by segment: one
  * scale conversion per segment, whole blocks inside it unpacked 32 codes at a time. */
 static void dequant_row(const Weights *wt, int64_t n, int64_t k0, int64_t k1, float *out) {
-    const uint8_t *row = wt->codes + n * (wt->K / 2);
     int64_t s = 0;
     while (wt->bounds[s + 1] <= k0) s++;
     for (int64_t k = k0; k < k1; s++) {
@@ -84,14 +93,14 @@ static void dequant_row(const Weights *wt, int64_t n, int64_t k0, int64_t k1, fl
         const vec vscale = splat(scale);
         const i8x16 z = (i8x16){} + (int8_t)zero;
         for (; k < end && (k % BLOCK || k + BLOCK > end); k++) /* up to a whole block inside the segment */
-            out[k - k0] = (float)((int)code_at(row, wt->K, k) - (int)zero) * scale;
+            out[k - k0] = (float)((int)code_at(wt, n, k) - (int)zero) * scale;
         for (; k + BLOCK <= end; k += BLOCK) {
-            const u8x16 bytes = *(const u8x16 *)(row + k / 2);
+            const u8x16 bytes = *(const u8x16 *)block_at(wt, n, k);
             STORE(out + (k - k0), widen((i8x16)(bytes & 0xf) - z) * vscale);
             STORE(out + (k - k0) + 16, widen((i8x16)(bytes >> 4) - z) * vscale);
         }
         for (; k < end; k++) /* the segment ends inside a block */
-            out[k - k0] = (float)((int)code_at(row, wt->K, k) - (int)zero) * scale;
+            out[k - k0] = (float)((int)code_at(wt, n, k) - (int)zero) * scale;
     }
 }
 
@@ -130,10 +139,10 @@ static void tile(const float *const *xr, const float *w, int64_t kc, vec *acc, i
 
 /* t[i][r] += x[i, k] * W[n0 + r, k]: the ends of segments that do not fall on whole blocks
  * (kept apart from the vector accumulators, which then never leave registers). */
-INLINE void scalar_step(const float *const *xr, const uint8_t *const *row, const uint8_t *zero, const float *scale,
-                        int64_t K, int64_t k, float t[MR][NR], const int rows) {
+INLINE void scalar_step(const Weights *wt, const float *const *xr, const int64_t *n, const uint8_t *zero,
+                        const float *scale, int64_t k, float t[MR][NR], const int rows) {
     for (int r = 0; r < NR; r++) {
-        const float w = (float)((int)code_at(row[r], K, k) - (int)zero[r]) * scale[r];
+        const float w = (float)((int)code_at(wt, n[r], k) - (int)zero[r]) * scale[r];
         for (int i = 0; i < rows; i++) t[i][r] += xr[i][k] * w;
     }
 }
@@ -142,11 +151,13 @@ INLINE void scalar_step(const float *const *xr, const uint8_t *const *row, const
  * registers (no buffer): the decode path, where each weight meets only a few rows. */
 INLINE void direct_rows(const Weights *wt, const float *const *xr, int64_t n0, int64_t N, vec *acc,
                         const int rows) {
-    const uint8_t *row[NR];
+    const int64_t nr = N - n0 < NR ? N - n0 : NR;
+    const uint8_t *base = wt->codes + n0 * (wt->K / 2); /* the NR outputs' blocks, interleaved */
+    int64_t n[NR];
     vec c[MR][NR];
     float t[MR][NR] = {{0.0f}};
     for (int r = 0; r < NR; r++) {
-        row[r] = wt->codes + (n0 + r < N ? n0 + r : N - 1) * (wt->K / 2);
+        n[r] = n0 + (r < nr ? r : nr - 1);
         for (int i = 0; i < rows; i++) c[i][r] = splat(0.0f);
     }
     for (int64_t s = 0, k = 0; s < wt->num_segments; s++) {
@@ -156,14 +167,14 @@ INLINE void direct_rows(const Weights *wt, const float *const *xr, int64_t n0, i
         vec vscale[NR];
         i8x16 z[NR];
         for (int r = 0; r < NR; r++) {
-            const int64_t gs = (n0 + r < N ? n0 + r : N - 1) * wt->num_segments + s;
+            const int64_t gs = n[r] * wt->num_segments + s;
             scale[r] = half_to_float(wt->scales[gs]), zero[r] = wt->zeros[gs];
             vscale[r] = splat(scale[r]), z[r] = (i8x16){} + (int8_t)zero[r];
         }
-        for (; k < end && (k % BLOCK || k + BLOCK > end); k++) scalar_step(xr, row, zero, scale, wt->K, k, t, rows);
+        for (; k < end && (k % BLOCK || k + BLOCK > end); k++) scalar_step(wt, xr, n, zero, scale, k, t, rows);
         for (; k + BLOCK <= end; k += BLOCK)
             for (int r = 0; r < NR; r++) {
-                const u8x16 bytes = *(const u8x16 *)(row[r] + k / 2);
+                const u8x16 bytes = *(const u8x16 *)(base + (k / 2) * nr + (n[r] - n0) * 16);
                 const vec lo = widen((i8x16)(bytes & 0xf) - z[r]) * vscale[r];
                 const vec hi = widen((i8x16)(bytes >> 4) - z[r]) * vscale[r];
                 for (int i = 0; i < rows; i++) {
@@ -171,7 +182,7 @@ INLINE void direct_rows(const Weights *wt, const float *const *xr, int64_t n0, i
                     c[i][r] += LOAD(xr[i] + k + 16) * hi;
                 }
             }
-        for (; k < end; k++) scalar_step(xr, row, zero, scale, wt->K, k, t, rows);
+        for (; k < end; k++) scalar_step(wt, xr, n, zero, scale, k, t, rows);
     }
     for (int i = 0; i < rows; i++)
         for (int r = 0; r < NR; r++) {
@@ -227,9 +238,9 @@ static void output_block(const Weights *wt, const float *x, int64_t M, int64_t x
  * (+ bias [N] or NULL). Returns 0, or 1 when a thread's scratch could not be allocated. */
 int rayllm_int4_gemm_f32(const float *x, int64_t M, int64_t x_stride, const uint8_t *codes,
                          const uint16_t *scales, const uint8_t *zeros, const int32_t *bounds,
-                         int64_t num_segments, int64_t K, const float *bias, float *y, int64_t N,
+                         int64_t num_segments, int64_t K, int64_t N, const float *bias, float *y,
                          int64_t direct_max_rows) {
-    const Weights wt = {codes, scales, zeros, bounds, num_segments, K};
+    const Weights wt = {codes, scales, zeros, bounds, num_segments, K, N};
     const int64_t n_blocks = (N + NR - 1) / NR;
     int failed = 0;
 #pragma omp parallel if (M * N * K >= PARALLEL_MIN_MACS)
@@ -251,9 +262,9 @@ int rayllm_int4_gemm_f32(const float *x, int64_t M, int64_t x_stride, const uint
 
 /* w [n1 - n0, K] fp32 = W[n0:n1, :] (sorted input order): the dense tiles of the prefill path. */
 void rayllm_int4_dequant_f32(const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
-                             const int32_t *bounds, int64_t num_segments, int64_t K, int64_t n0, int64_t n1,
-                             float *w) {
-    const Weights wt = {codes, scales, zeros, bounds, num_segments, K};
+                             const int32_t *bounds, int64_t num_segments, int64_t K, int64_t N, int64_t n0,
+                             int64_t n1, float *w) {
+    const Weights wt = {codes, scales, zeros, bounds, num_segments, K, N};
 #pragma omp parallel for schedule(static) if ((n1 - n0) * K >= PARALLEL_MIN_MACS)
     for (int64_t n = n0; n < n1; n++)
         dequant_row(&wt, n, 0, K, w + (n - n0) * K);

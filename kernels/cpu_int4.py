@@ -28,13 +28,14 @@ from kernels.cpu_build import load_kernel_library
 _LIB_NAME = "cpu_int4"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_int4.c
-    "rayllm_int4_gemm_f32": ([_P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I, _I], ctypes.c_int),
-    "rayllm_int4_dequant_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _P], None),
+    "rayllm_int4_gemm_f32": ([_P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I], ctypes.c_int),
+    "rayllm_int4_dequant_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _P], None),
 }
 DIRECT_MAX_ROWS = 8  # up to this many rows of x, codes unpacked straight into registers
-DENSE_MIN_ROWS = 128  # from this many rows of x, dequantized tiles and torch's matmul
+DENSE_MIN_ROWS = 32  # from this many rows, dequantized tiles and torch's matmul
 DENSE_TILE_ELEMS = 1 << 21  # fp32 weights per dequantized tile (8 MiB)
 BLOCK = 32  # inputs per packed block (cpu_int4.c)
+OUTPUTS_PER_TILE = 4  # outputs whose blocks interleave (cpu_int4.c's NR)
 X_DTYPES = (torch.float32, torch.bfloat16)
 BIAS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -83,7 +84,7 @@ class CpuInt4Weights:
                              f"{tuple(self.perm.shape)}")
         # The C signature's weight arguments, in order (the tensors live as long as self).
         self.c_args = (self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(),
-                       self.bounds.data_ptr(), num_segments, k)
+                       self.bounds.data_ptr(), num_segments, k, n)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -104,6 +105,26 @@ def _pack_blocks(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
+def _interleave(rows: torch.Tensor, nr: int) -> torch.Tensor:
+    """[T * nr, K / 2] packed rows -> flat bytes, each nr outputs' blocks taken in turn: block 0
+    of outputs 0..nr-1, block 1 of them, ..., their short last blocks."""
+    tiles, half_k = rows.shape[0] // nr, rows.shape[1]
+    full = half_k - half_k % (BLOCK // 2)  # bytes of the whole 32-input blocks
+    t = rows.reshape(tiles, nr, half_k)
+    blocks = t[:, :, :full].reshape(tiles, nr, -1, BLOCK // 2).transpose(1, 2)
+    return torch.cat([blocks.reshape(tiles, -1), t[:, :, full:].reshape(tiles, -1)], dim=1).reshape(-1)
+
+
+def _interleave_outputs(rows: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] packed rows -> the kernel's order (OUTPUTS_PER_TILE outputs interleaved, a last
+    short tile of N % OUTPUTS_PER_TILE on its own), shape kept."""
+    whole = rows.shape[0] - rows.shape[0] % OUTPUTS_PER_TILE
+    parts = [_interleave(rows[:whole], OUTPUTS_PER_TILE)] if whole else []
+    if rows.shape[0] > whole:
+        parts.append(_interleave(rows[whole:], rows.shape[0] - whole))
+    return torch.cat(parts).reshape(rows.shape)
+
+
 def pack_int4_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   g_idx: torch.Tensor) -> CpuInt4Weights:
     """The shared int4 layout (already checked by check_int4_gemm) -> the C kernel's."""
@@ -117,7 +138,7 @@ def pack_int4_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     groups, counts = torch.unique_consecutive(g[order], return_counts=True)
     bounds = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
     return CpuInt4Weights(
-        codes=_pack_blocks(codes[order].T.to(torch.uint8)).contiguous(),
+        codes=_interleave_outputs(_pack_blocks(codes[order].T.to(torch.uint8))).contiguous(),
         scales=scales[groups].T.contiguous(), zeros=zeros[groups].T.contiguous(), bounds=bounds,
         perm=torch.empty(0, dtype=torch.int32) if in_order else order.to(torch.int32))
 
@@ -166,6 +187,6 @@ def int4_linear_cpu(x: torch.Tensor, w: CpuInt4Weights, bias: torch.Tensor | Non
         return _dense_tiles(xf, w, bias).to(x.dtype)
     y = torch.empty(m, n)
     if m and lib.rayllm_int4_gemm_f32(xf.data_ptr(), m, xf.stride(0), *w.c_args,
-                                      None if bias is None else bias.data_ptr(), y.data_ptr(), n, DIRECT_MAX_ROWS):
+                                      None if bias is None else bias.data_ptr(), y.data_ptr(), DIRECT_MAX_ROWS):
         raise MemoryError("cpu_int4: could not allocate a thread's scratch buffers")
     return y.to(x.dtype)
