@@ -19,9 +19,11 @@
  *
  *   W[n, k] = (q[n, k] - zeros[n, s(k)]) * scales[n, s(k)], exact in fp32.
  *
- * Each thread takes NR outputs at a time, dequantizes KC inputs of them into an fp32 buffer
- * (in L1), and multiplies that tile with every MR-row block of x (register tile MR x NR, k in
- * vector lanes), so a weight is unpacked once per call however many rows x has.
+ * Threads split the outputs NR at a time. For a few rows of x (decode) the codes go straight
+ * from bytes to fp32 registers and meet each MR-row tile of x (k in vector lanes, one
+ * accumulator per row and output); for more rows, KC inputs of the NR outputs are dequantized
+ * into an fp32 buffer (in L1) once and every MR-row tile multiplies it. The wrapper sends
+ * still larger calls to torch's dense matmul on tiles from rayllm_int4_dequant_f32.
  */
 #include <stdint.h>
 #include <stdlib.h>
