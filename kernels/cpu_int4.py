@@ -3,16 +3,18 @@
 `pack_int4_cpu` turns the shared int4 layout (kernels/triton_int4_gemm.py: qweight [K / 8, N]
 int32, scales [G, N] fp16, zeros [G, N] uint8, g_idx [K] int32) into the C kernel's, once at load:
 
-    codes  [N, K / 2] uint8   each output's codes contiguous along K (sorted by group), 32-input blocks
+    codes  [N, K / 2] uint8   the codes along K (sorted by group) in 32-input blocks, each 4
+                              outputs' blocks interleaved (cpu_int4.c; the shape is nominal)
     scales [N, S] fp16        per output and segment: a run of sorted inputs in one group
     zeros  [N, S] uint8
     bounds [S + 1] int32      segment s covers sorted inputs [bounds[s], bounds[s + 1])
     perm   [K] int32          x's column of each sorted input; empty when g_idx is already in order
 
 the same bytes as the shared layout (groups absent from this rank's g_idx are dropped).
-`int4_linear_cpu` computes x @ W^T (+ bias) from it: the C kernel up to `DENSE_MIN_ROWS` rows of
-x, above that the C code dequantizes tiles of W for torch's dense matmul, which reuses each
-weight across rows better than the kernel's register tile.
+`int4_linear_cpu` computes x @ W^T (+ bias) from it: the C kernel below `DENSE_MIN_ROWS` rows of
+x (codes unpacked in registers up to `DIRECT_MAX_ROWS`, through an fp32 buffer above); from there
+the C code dequantizes tiles of W for torch's dense matmul, whose blocking reuses each weight
+across rows better than the kernel's register tile.
 """
 from __future__ import annotations
 
