@@ -62,7 +62,7 @@ class AWQLinearMethod(Int4LinearMethod):
         layer.register_parameter("scales", new_param((k // g, n), torch.float16, output_dim=1, input_dim=0,
                                                      input_block=(g, 1)))
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def to_shared_layout(self, layer: nn.Module) -> None:
         codes = unpack_cols(layer.qweight.data, AWQ_NIBBLE_OF_OUTPUT)  # [K, N] in output order
         zeros = unpack_cols(layer.qzeros.data, AWQ_NIBBLE_OF_OUTPUT).to(torch.uint8)  # [G, N]
         g_idx = torch.arange(layer.input_size, dtype=torch.int32, device=codes.device) // self.group_size

@@ -85,7 +85,7 @@ class GPTQLinearMethod(Int4LinearMethod):
         else:
             layer.register_parameter("g_idx", new_param((k,), torch.int32, input_dim=0))
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def to_shared_layout(self, layer: nn.Module) -> None:
         zeros = (unpack_cols(layer.qzeros.data) + 1).to(torch.uint8)  # [G, N], v1's stored zero + 1
         replace_params(layer, ("qweight", "qzeros", "scales", "g_idx"), qweight=layer.qweight.data,
                        scales=layer.scales.data, zeros=zeros, g_idx=self._local_g_idx(layer.g_idx.data))

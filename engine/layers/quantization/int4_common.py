@@ -9,13 +9,10 @@ After `process_weights_after_loading` a layer of either format holds (kernels/tr
     g_idx   [K] int32          the group of each input row
 
 so W[n, k] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]: about half a byte per weight,
-as in the checkpoint. On CUDA the Triton kernel computes with it; on CPU `int4_gemm_torch`
-dequantizes one tile of 256 outputs at a time in fp32 (exact) and multiplies. torch's own CPU
-int4 matmul (_weight_int4pack_mm_for_cpu, w = (q - 8) * s + z, which can express these zeros) was
-timed on a 576 -> 1536 layer, one thread: with fp32 activations 3.1 / 25 / 231 / 1369 ms at
-1 / 8 / 64 / 256 rows (a scalar path), against F.linear fp32's 0.23 / 0.54 / 2.9 / 7.7 ms and
-this tiled dequantization's ~3.4 / 3.3 / 6.6 / 19 ms; only with bf16 activations is it fast
-(0.05 / 0.44 / 2.1 / 11 ms), so it is left for a bf16 engine (not wired yet).
+as in the checkpoint. On CUDA the Triton kernel computes with it. On CPU, where the C kernel builds
+(kernels/cpu_int4.py), the layer is repacked once more into that kernel's layout (the same bytes:
+each output's codes contiguous along K, groups in order) because unpacking codes in registers beats
+dequantizing fp32 tiles for torch at decode sizes; without the kernel, `int4_gemm_torch`.
 """
 from __future__ import annotations
 
@@ -25,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase
+from kernels import cpu_int4
 from kernels.triton_int4_gemm import int4_gemm, int4_gemm_torch
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -76,13 +74,44 @@ def replace_params(layer: nn.Module, old: tuple[str, ...], **new: torch.Tensor) 
         layer.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
 
 
+def shared_layout_gemm(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) from the shared layout: Triton on CUDA, tiled torch elsewhere."""
+    gemm = int4_gemm if x.is_cuda else int4_gemm_torch
+    y = gemm(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx)
+    return y if bias is None else y + bias
+
+
+def cpu_kernel_gemm(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) from the CPU kernel's layout (`repack_for_cpu_kernel`)."""
+    return cpu_int4.int4_linear_cpu(x, layer.int4_cpu, bias)
+
+
+def repack_for_cpu_kernel(layer: nn.Module) -> None:
+    """Replace the shared layout's params by the C kernel's (same bytes; see kernels/cpu_int4.py).
+    `layer.int4_cpu` views them, for the kernel's calls."""
+    w = cpu_int4.pack_int4_cpu(layer.qweight.data, layer.scales.data, layer.zeros.data, layer.g_idx.data)
+    replace_params(layer, ("qweight", "scales", "zeros", "g_idx"), codes=w.codes, code_scales=w.scales,
+                   code_zeros=w.zeros, segment_bounds=w.bounds, k_perm=w.perm)
+    # The params hold the same storage (replace_params keeps contiguous tensors as they are).
+    layer.int4_cpu = cpu_int4.CpuInt4Weights(layer.codes.data, layer.code_scales.data, layer.code_zeros.data,
+                                             layer.segment_bounds.data, layer.k_perm.data)
+
+
 class Int4LinearMethod(LinearMethodBase):
-    """`apply` for both formats, once their layers hold the shared layout above."""
+    """`apply` for both formats, once their layers hold the shared layout above (`to_shared_layout`,
+    per format); the arithmetic is chosen once, at the end of loading."""
+
+    def to_shared_layout(self, layer: nn.Module) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.to_shared_layout(layer)
+        self.gemm = shared_layout_gemm
+        if (layer.qweight.device.type == "cpu" and layer.scales.dtype == torch.float16
+                and cpu_int4.available()):
+            repack_for_cpu_kernel(layer)
+            self.gemm = cpu_kernel_gemm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        gemm = int4_gemm if x.is_cuda else int4_gemm_torch
-        y = gemm(x2, layer.qweight, layer.scales, layer.zeros, layer.g_idx)
-        if bias is not None:
-            y = y + bias
+        y = self.gemm(layer, x.reshape(-1, x.shape[-1]), bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
