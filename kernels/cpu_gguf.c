@@ -1,4 +1,5 @@
-/* y = x @ W.T on CPU with W kept in GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), fp32 x and y.
+/* y = x @ W.T on CPU with W kept in GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
+ * fp32 x and y.
  * Built and loaded like cpu_ops.c (kernels/cpu_build.py); the wrapper, its torch fallback and
  * the block layouts are in kernels/cpu_gguf.py and kernels/torch_gguf.py.
  *
@@ -18,9 +19,12 @@
 
 #include "cpu_simd.h"
 
-#define KTILE 256 /* features dequantized per tile: one K-quant block, 8 Q8_0 / Q4_0 blocks */
+#define KTILE 256 /* features dequantized per tile: one K-quant block, 8 of the 32-element ones */
 #define PARALLEL_MIN_WORK 262144 /* below this many multiply-adds a call stays on one thread */
 #define Q4_0 2
+#define Q4_1 3
+#define Q5_0 6
+#define Q5_1 7
 #define Q8_0 8
 #define Q4_K 12
 #define Q5_K 13
@@ -47,12 +51,21 @@ static void dq_q8_0(const uint8_t *b, float *out) { /* d | int8 q[32] */
     for (int l = 0; l < 32; l++) out[l] = d * (float)q[l];
 }
 
-static void dq_q4_0(const uint8_t *b, float *out) { /* d | qs[16]: low nibbles first, then high */
-    const float d = f16_to_f32(b);
-    const uint8_t *qs = b + 2;
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1: d | (m, has_min) | (qh[4], five_bit) | qs[16]. Element l < 16 is
+ * qs[l]'s low nibble, l + 16 its high one; the 5th bit of element l is bit l of qh as a
+ * little-endian uint32. w = d * q + m, or d * (q - 8) / d * (q - 16) without m. Inlined with
+ * constant flags, so each type gets its own loop. */
+INLINE void dq_legacy(const uint8_t *b, float *out, int has_min, int five_bit) {
+    const float d = f16_to_f32(b), m = has_min ? f16_to_f32(b + 2) : 0.0f;
+    const uint8_t *qh = b + (has_min ? 4 : 2), *qs = qh + (five_bit ? 4 : 0);
+    uint32_t hi = 0;
+    if (five_bit) memcpy(&hi, qh, 4); /* little-endian, as the file (and x86 / arm64) */
+    const int offset = has_min ? 0 : (five_bit ? 16 : 8);
     for (int l = 0; l < 16; l++) {
-        out[l] = d * (float)((int)(qs[l] & 15) - 8);
-        out[l + 16] = d * (float)((int)(qs[l] >> 4) - 8);
+        const int q0 = (qs[l] & 15) | (int)((hi >> l) & 1) << 4;
+        const int q1 = (qs[l] >> 4) | (int)((hi >> (l + 16)) & 1) << 4;
+        out[l] = has_min ? d * (float)q0 + m : d * (float)(q0 - offset);
+        out[l + 16] = has_min ? d * (float)q1 + m : d * (float)(q1 - offset);
     }
 }
 
@@ -108,6 +121,9 @@ static void block_layout(int qtype, int64_t *elems, int64_t *bytes) {
     switch (qtype) {
     case Q8_0: *elems = 32; *bytes = 34; return;
     case Q4_0: *elems = 32; *bytes = 18; return;
+    case Q4_1: *elems = 32; *bytes = 20; return;
+    case Q5_0: *elems = 32; *bytes = 22; return;
+    case Q5_1: *elems = 32; *bytes = 24; return;
     case Q4_K: *elems = 256; *bytes = 144; return;
     case Q5_K: *elems = 256; *bytes = 176; return;
     case Q6_K: *elems = 256; *bytes = 210; return;
@@ -123,7 +139,10 @@ static void dequant_span(const uint8_t *row, int qtype, int64_t k0, int64_t len,
         const uint8_t *b = row + (k0 + k) / elems * bytes;
         switch (qtype) {
         case Q8_0: dq_q8_0(b, out + k); break;
-        case Q4_0: dq_q4_0(b, out + k); break;
+        case Q4_0: dq_legacy(b, out + k, 0, 0); break;
+        case Q4_1: dq_legacy(b, out + k, 1, 0); break;
+        case Q5_0: dq_legacy(b, out + k, 0, 1); break;
+        case Q5_1: dq_legacy(b, out + k, 1, 1); break;
         case Q4_K: dq_qk(b, out + k, 0); break;
         case Q5_K: dq_qk(b, out + k, 1); break;
         default: dq_q6_k(b, out + k); break;

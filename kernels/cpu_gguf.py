@@ -23,7 +23,7 @@ _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_gguf.c
     "rayllm_gguf_dequant_f32": ([_P, _I, _C, _P, _I, _I], _C),
 }
 # Rows of x from which the dequantize-a-slab-then-BLAS path wins over the fused C matmul
-# (python -m kernels.bench_cpu_gguf: on the 2-core AVX-512 box, 16 rows is where they cross).
+# (where the two cross in python -m loadtest.cpu_gguf_bench).
 MANY_ROWS = 16
 
 

@@ -6,12 +6,18 @@ kept as stored, `uint8 [out_features, in_features / block_elems * block_bytes]`:
 is the concatenated blocks of W[o, :]. Layouts (ggml-common.h; d, dmin are fp16):
 
     Q8_0  32 elems, 34 B:  d | int8 q[32]                       w = d * q
-    Q4_0  32 elems, 18 B:  d | qs[16]                           w[j] = d * (nibble - 8); low nibbles
-                                                                are j < 16, high ones j >= 16
+    Q4_0  32 elems, 18 B:  d | qs[16]                           w = d * (q - 8)
+    Q4_1  32 elems, 20 B:  d | m | qs[16]                       w = d * q + m
+    Q5_0  32 elems, 22 B:  d | qh[4] | qs[16]                   w = d * (q - 16)
+    Q5_1  32 elems, 24 B:  d | m | qh[4] | qs[16]               w = d * q + m
     Q4_K 256 elems, 144 B: d | dmin | scales[12] | qs[128]      8 sub-blocks of 32, each with a 6-bit
                                                                 scale sc and min m: w = d*sc*q - dmin*m
     Q5_K 256 elems, 176 B: d | dmin | scales[12] | qh[32] | qs[128]   as Q4_K, q gets a 5th bit from qh
     Q6_K 256 elems, 210 B: ql[128] | qh[64] | int8 scales[16] | d     16 sub-blocks of 16: w = d*sc*(q-32)
+
+In the four 32-element types with nibbles (m is fp16 too), element j's 4 low bits are the low
+nibble of qs[j] for j < 16 and the high nibble of qs[j - 16] for j >= 16; Q5_0 / Q5_1 take the
+5th bit from bit j of qh read as a little-endian uint32 (bit j % 8 of qh[j // 8]).
 
 Sub-block s (32 elements) of Q4_K / Q5_K reads the nibbles of qs[32*(s//2) : +32] (low for even s,
 high for odd) and bit s of qh[l]. In Q6_K, element k = 128*h + 32*t + l takes ql[64h + 32(t%2) + l]
@@ -22,9 +28,13 @@ from __future__ import annotations
 import torch
 
 # ggml's type ids (GGMLQuantizationType) -> (elements per block, bytes per block).
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
-BLOCK_LAYOUTS = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-TYPE_NAMES = {Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK_LAYOUTS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+                 Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+              Q6_K: "Q6_K"}
+# The 32-element types with nibbles: qtype -> (has an fp16 min m, has 4 bytes of 5th bits).
+_LEGACY_NIBBLES = {Q4_0: (False, False), Q4_1: (True, False), Q5_0: (False, True), Q5_1: (True, True)}
 # Rows of W dequantized at a time by `gguf_linear_ref`: a tile of fp32 rows, never the whole matrix.
 TILE_ROWS = 256
 
@@ -63,13 +73,26 @@ def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
     return (q & 15).view(-1, 8, 32)
 
 
+def _legacy_nibbles(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks [n, bytes] -> [n, 32] fp32 (d | (m) | (qh[4]) | qs[16])."""
+    has_min, five_bit = _LEGACY_NIBBLES[qtype]
+    qs = blocks[:, -16:].long()
+    q = torch.cat([qs & 15, qs >> 4], dim=1)
+    if five_bit:  # bit j % 8 of qh[j // 8] is element j's 5th bit
+        qh = blocks[:, -20:-16].long().view(-1, 4, 1) >> torch.arange(8, device=blocks.device).view(1, 1, 8)
+        q = q | ((qh & 1) << 4).view(-1, 32)
+    d = _f16(blocks[:, :2])
+    if has_min:
+        return d * q.float() + _f16(blocks[:, 2:4])
+    return d * (q - (16 if five_bit else 8)).float()
+
+
 def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """[n, bytes per block] uint8 -> [n, elems per block] fp32."""
     if qtype == Q8_0:
         return _f16(blocks[:, :2]) * blocks[:, 2:].contiguous().view(torch.int8).float()
-    if qtype == Q4_0:
-        q = blocks[:, 2:].long()
-        return _f16(blocks[:, :2]) * (torch.cat([q & 15, q >> 4], dim=1) - 8).float()
+    if qtype in _LEGACY_NIBBLES:
+        return _legacy_nibbles(blocks, qtype)
     if qtype in (Q4_K, Q5_K):
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scales(blocks[:, 4:16])

@@ -3,13 +3,13 @@
 W is uint8 [N, row_bytes], row n the blocks of W[n, :] (layouts: kernels/torch_gguf.py). Each
 program owns a [BLOCK_M, BLOCK_N] tile of y and walks K one 32-feature sub-block at a time:
 
-    for each block b of the row (32 features for Q8_0 / Q4_0, 256 for the K-quants):
+    for each block b of the row (32 features for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, 256 for the K-quants):
         for each 32-wide sub-block s of it (static):
             w = dequant(W[n tile, block b], s)          [BLOCK_N, 32] fp32, from bytes in registers
             acc += x[m tile, 32 features] @ w.T          tl.dot, fp32 accumulation
 
 so the weight crosses memory as its quantized bytes only. Every type in torch_gguf.BLOCK_LAYOUTS
-has its dequantizer here (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K).
+has its dequantizer here (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.torch_gguf import BLOCK_LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, check_weight, gguf_linear_ref
+from kernels.torch_gguf import (BLOCK_LAYOUTS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, check_weight,
+                                gguf_linear_ref)
 
 
 @triton.jit
@@ -40,9 +41,19 @@ def _dequant_sub(blk, lane, mask, s: tl.constexpr, QTYPE: tl.constexpr):
     if QTYPE == 8:  # Q8_0: d | int8 q[32]
         q = tl.load(blk + 2 + lane, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = _f16(blk, mask) * q
-    elif QTYPE == 2:  # Q4_0: d | qs[16], feature l in the low (l < 16) or high nibble of qs[l % 16]
-        q = (_byte(blk + 2 + lane % 16, mask) >> (lane // 16 * 4)) & 15
-        w = _f16(blk, mask) * (q - 8).to(tl.float32)
+    elif QTYPE == 2 or QTYPE == 3 or QTYPE == 6 or QTYPE == 7:
+        # Q4_0 / Q4_1 / Q5_0 / Q5_1: d | (m: Q4_1, Q5_1) | (qh[4]: Q5_0, Q5_1) | qs[16]; feature l is
+        # the low (l < 16) or high nibble of qs[l % 16], its 5th bit bit l % 8 of qh[l // 8]
+        HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
+        FIVE_BIT: tl.constexpr = QTYPE == 6 or QTYPE == 7
+        QS: tl.constexpr = 2 + (2 if HAS_MIN else 0) + (4 if FIVE_BIT else 0)
+        q = (_byte(blk + QS + lane % 16, mask) >> (lane // 16 * 4)) & 15
+        if FIVE_BIT:
+            q = q | (((_byte(blk + QS - 4 + lane // 8, mask) >> (lane % 8)) & 1) << 4)
+        if HAS_MIN:
+            w = _f16(blk, mask) * q.to(tl.float32) + _f16(blk + 2, mask)
+        else:
+            w = _f16(blk, mask) * (q - (16 if FIVE_BIT else 8)).to(tl.float32)
     elif QTYPE == 14:  # Q6_K: ql[128] | qh[64] | int8 scales[16] | d; s = 4h + t
         h: tl.constexpr = s // 4
         t: tl.constexpr = s % 4
@@ -130,4 +141,4 @@ def _interpreted() -> bool:
 
 # The constants are the ggml type ids _dequant_sub branches on (kept literal there: constexpr
 # comparisons inside a jit function cannot read module globals that are not constexpr).
-assert (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) == (2, 8, 12, 13, 14)
+assert (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) == (2, 3, 6, 7, 8, 12, 13, 14)

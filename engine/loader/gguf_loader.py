@@ -17,9 +17,10 @@ divisor per frequency, and no scaling in the metadata) is used as llama.cpp uses
 rotary table is rebuilt with inv_freq / rope_freqs.
 
 Linear layers built with the "gguf" method (engine.layers.quantization.gguf, the default for a
-GGUF) get their Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K tensors as stored instead (`GGUFBlocks`: the
-raw rows, Q/K rows un-permuted as whole rows), and keep them quantized; their other types,
-the embeddings, the LM head, norms and experts are dequantized as above.
+GGUF) get their tensors of the packed types (`PACKED_TYPES`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K) as stored instead (`GGUFBlocks`: the raw rows, Q/K rows un-permuted as whole
+rows), and keep them quantized; their other types, the embeddings, the LM head, norms and
+experts are dequantized as above.
 """
 from __future__ import annotations
 

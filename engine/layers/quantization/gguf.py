@@ -6,10 +6,10 @@ a GGUF layer has no packed parameter before loading: its `weight` is an empty pl
 loader addresses, and each checkpoint part that arrives (q, k, v of a QKV layer, gate and up of
 a merged one, or the whole of an unfused one) becomes a parameter of its own, in its own type:
 
-    Q8_0, Q4_0, Q4_K, Q5_K, Q6_K   uint8 [rows, in / block_elems * block_bytes]: the file's rows,
-                                   this rank's share, multiplied by kernels/cpu_gguf.py (CPU) or
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,  uint8 [rows, in / block_elems * block_bytes]: the file's rows,
+    Q4_K, Q5_K, Q6_K               this rank's share, multiplied by kernels/cpu_gguf.py (CPU) or
                                    kernels/triton_gguf_gemm.py (CUDA) without dequantizing W
-    anything else (F32, F16, BF16, Q4_1, Q5_0, Q2_K, ...)   dequantized by the loader to the
+    anything else (F32, F16, BF16, Q2_K, Q3_K, ...)   dequantized by the loader to the
                                    engine dtype, as before (engine.loader.gguf_loader)
 
 After loading, neighbouring parts of one type are concatenated (their rows are independent), so
@@ -18,7 +18,7 @@ matmul each, their outputs concatenated. Embeddings, the LM head and MoE experts
 layers here and load dequantized (engine.loader.gguf_loader).
 
 Tensor parallelism: a column shard cuts whole rows (any split); a row shard cuts each row's
-bytes and must fall on whole blocks (256 features for the K-quants, 32 for Q8_0 / Q4_0).
+bytes and must fall on whole blocks (256 features for the K-quants, 32 for the others).
 """
 from __future__ import annotations
 
