@@ -22,10 +22,12 @@ from engine.layers.quantization.int8 import (Int8Config, Int8W8A8LinearMethod, I
 from engine.loader.weights import load_weights
 from engine.models import get_model_class
 from engine.tools.tiny_model import make_tiny_model
+from tests import hf_reference
 from tests.hf_reference import assert_matches, hf_greedy
 from tests.test_llm import _prompts
 
 MAX_TOKENS = 12
+BF16_NEAR_TIE = 0.05
 LINEAR_WEIGHTS = ("_proj.weight",)  # q/k/v/o, gate/up/down: what the engine builds as LinearBase
 
 
@@ -45,9 +47,11 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("regime", [{}, {"max_num_batched_tokens": 48}])
-def test_online_int8_equals_hf_on_the_dequantized_weights(checkpoints, regime):
-    """Prompts of 1 and 3 tokens decode through `_weight_int8pack_mm`, the 130- and 333-token
-    prefills through the widened-weight path (both chunked too)."""
+def test_online_int8_equals_hf_on_the_dequantized_weights(checkpoints, regime, monkeypatch):
+    """Decode batches of 4 run `_weight_int8pack_mm`, the 130- and 333-token prefills the widened
+    weight (both chunked too). W8A16 computes with bf16 activations and outputs where HF runs fp32:
+    logits move by ~1e-2 here, so a step whose top-2 gap is under BF16_NEAR_TIE may flip."""
+    monkeypatch.setattr(hf_reference, "NEAR_TIE", BF16_NEAR_TIE)
     path, dequantized = checkpoints
     llm = LLM(path, quantization="int8", dtype="float32", device="cpu", **regime)
     prompts = _prompts(llm.llm_engine.model_config.vocab_size, (1, 3, 130, 333))
