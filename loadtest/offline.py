@@ -3,6 +3,8 @@
     python -m loadtest.offline [--num-requests 64] [--seed 0] [--skip-hf] [--quick]
     python -m loadtest.offline --model models/smollm2-135m-instruct    # a real checkpoint (HF dir or GGUF)
     python -m loadtest.offline --arch qwen3_moe      # the bench shape as another architecture (MoE: 8 experts, top-2)
+    python -m loadtest.offline --skip-hf --dtype float32,bfloat16 --quantization none,int8 --rounds 2
+                                                     # our engine in each dtype x quantization, interleaved
 
 docs/benchmarks.md "CPU, offline throughput": 64 requests, prompts of random ids with
 length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
@@ -48,18 +50,46 @@ def ensure_bench_model(cache_dir: Path, arch: str = "llama") -> Path:
     return cache_dir
 
 
+def variant_name(dtype: str, quantization: str) -> str:
+    return dtype if quantization == "none" else f"{dtype}+{quantization}"
+
+
+def weight_bytes(llm) -> int:
+    """Bytes of the model's parameters and buffers, oneDNN-packed weights included (one process)."""
+    model = llm.llm_engine.executor.runner.model
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def run_ours(model_path: Path, requests: list[BenchRequest], warmup: list[BenchRequest],
-             args) -> tuple[Stopwatch, list[list[int]]]:
-    """Our engine's wall time over every request, after the warm-up requests."""
+             args) -> dict[str, dict]:
+    """Each (dtype, quantization) variant's wall time over every request, after the warm-up
+    requests. Every variant's engine is built first, then the rounds run them in turn, so a slow
+    moment of a shared machine falls on all of them alike; each variant's fastest round counts."""
     from engine import LLM
 
-    llm = LLM(model=str(model_path), dtype="float32", device="cpu", max_num_seqs=256,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
-              seed=args.seed)
+    engines = {}
     try:
-        return timed_engine_run(llm, requests, warmup)
+        for dtype in args.dtype:
+            for quant in args.quantization:
+                engines[variant_name(dtype, quant)] = LLM(
+                    model=str(model_path), dtype=dtype, device="cpu", max_num_seqs=256,
+                    quantization=None if quant == "none" else quant,
+                    max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
+                    seed=args.seed)
+        results = {name: {"weight_bytes": weight_bytes(llm)} for name, llm in engines.items()}
+        for _ in range(args.rounds):
+            for name, llm in engines.items():
+                watch, token_ids = timed_engine_run(llm, requests, warmup)
+                progress(f"ours {name}: {watch.wall_s:.1f} s")
+                best = results[name].get("watch")
+                if best is None or watch.wall_s < best.wall_s:
+                    results[name].update(watch=watch, token_ids=token_ids)
+        return results
     finally:
-        shutdown(llm)
+        for llm in engines.values():
+            shutdown(llm)
 
 
 def run_hf(model, requests: list[BenchRequest], warmup: list[BenchRequest], skip_timed: bool) -> dict:
@@ -72,6 +102,19 @@ def run_hf(model, requests: list[BenchRequest], warmup: list[BenchRequest], skip
         results[name] = hf_static(model, requests, batch_size, sort, name).to_dict()
         progress(f"{name}: {results[name]['elapsed_s']:.1f} s")
     return results
+
+
+def variants_report(variants: dict[str, dict], reference: list, useful: int) -> dict:
+    """tokens/s, weight MB and greedy mismatches against HF fp32 per variant, and each one's
+    speed relative to the first (the baseline)."""
+    out, base = {}, None
+    for name, v in variants.items():
+        tps = useful / v["watch"].wall_s
+        base = base or tps
+        out[name] = {"elapsed_s": v["watch"].wall_s, "cpu_s": v["watch"].cpu_s, "tokens_per_s": tps,
+                     "vs_first": tps / base, "weight_mb": v["weight_bytes"] / 2**20,
+                     "greedy": compare_tokens(v["token_ids"][:len(reference)], reference)}
+    return out
 
 
 def build_report(args, requests, shape: ModelShape, flop_rate: float, ours: Stopwatch,
@@ -124,6 +167,10 @@ def summary_table(report: dict) -> str:
             ["greedy mismatches", "{num_mismatched}/{num_compared}".format(**report["correctness"])],
             ["CPU share ours / best HF", " / ".join(cpu_share(report, p) for p in ("ours", report["best_peer"]))],
             ["ours / best HF per CPU-s", report["ratio_per_cpu_s"] or na],
+            *[[f"ours {name} tok/s (x first, weights MB, greedy mismatches)",
+               f"{v['tokens_per_s']:.1f} (x{v['vs_first']:.2f}, {v['weight_mb']:.1f} MB, "
+               f"{v['greedy']['num_mismatched']}/{v['greedy']['num_compared']})"]
+              for name, v in report.get("variants", {}).items()],
             ["machine", f"{machine['platform']}, {machine['cpu_count']} CPUs, load {machine['load_average']}"],
             ["torch threads", machine["torch_threads"]]]
     return format_table(["metric", "value"], rows)
@@ -145,8 +192,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="where the bench model is built when --model is not given "
                          "(default bench_out/model-bench, or model-bench-ARCH for another --arch)")
+    ap.add_argument("--dtype", default="float32",
+                    help="our engine's dtypes, comma-separated (float32, bfloat16); the first is the headline")
+    ap.add_argument("--quantization", default="none",
+                    help="our engine's quantization per dtype, comma-separated (none, int8)")
+    ap.add_argument("--rounds", type=int, default=1, help="timed runs of each of our variants, interleaved")
     ap.add_argument("--out", type=Path, default=Path("bench_out/offline.json"))
     args = ap.parse_args(argv)
+    args.dtype, args.quantization = args.dtype.split(","), args.quantization.split(",")
+    for flag, values, allowed in (("--dtype", args.dtype, ("float32", "bfloat16")),
+                                  ("--quantization", args.quantization, ("none", "int8"))):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            ap.error(f"{flag} {','.join(bad)} is not supported (choose from {', '.join(allowed)})")
+    if args.rounds < 1:
+        ap.error(f"--rounds={args.rounds} must be >= 1")
     if args.num_requests < 1 or args.threads < 1:
         ap.error(f"--num-requests={args.num_requests} and --threads={args.threads} must be >= 1")
     if args.model_dir is None:
@@ -174,8 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
                                      args.prompt_len, args.output_len)
     warmup = make_offline_workload(2, args.seed + 1, config["vocab_size"], (16, 32), (4, 4))
     flop_rate = matmul_flop_rate(2048, torch.float32, "cpu", repeats=3 if args.quick else 5)
-    ours, ours_ids = run_ours(model_path, requests, warmup, args)
-    progress(f"ours: {ours.wall_s:.1f} s")
+    variants = run_ours(model_path, requests, warmup, args)
+    first = next(iter(variants.values()))
+    ours, ours_ids = first["watch"], first["token_ids"]
     hf_model = load_hf_model(str(model_path), torch.float32, "cpu")
     checked = requests[:NUM_REFERENCE_REQUESTS]
     reference = [hf_greedy_reference(hf_model, r.prompt_token_ids, r.max_tokens) for r in checked]
@@ -186,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     flop_rate = max(flop_rate, matmul_flop_rate(2048, torch.float32, "cpu", repeats=3))
     report = run_metadata(["python", "-m", "loadtest.offline", *argv])
     report.update(build_report(args, requests, shape, flop_rate, ours, peers, correctness))
+    if len(variants) > 1:
+        report["variants"] = variants_report(variants, reference, num_useful_tokens(requests))
     write_json(args.out, report)
     print(f"wrote {args.out}")
     print(summary_table(report))
