@@ -24,6 +24,9 @@
 #                                          # gpt-oss, sliding windows / soft-caps / sinks, two KV groups in graphs
 #   bash loadtest/gpu_session.sh kv-fp8    # issue 34: the fp8 KV cache's tests natively (sm_89+), then decode
 #                                          # throughput, bf16 cache vs fp8, Qwen3-0.6B shape, 256 x 512 in / 256 out
+#   bash loadtest/gpu_session.sh quant     # issue 34: the quantized-weight tests natively (Triton FP8 block,
+#                                          # int4 and GGUF GEMMs, _scaled_mm, _int_mm), then workload B's shape
+#                                          # (Llama-3.1-8B) bf16 vs online FP8 weights, decode tok/s and roofline
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
 # jsonschema: `bash loadtest/gpu_wheels.sh` here packs them into .whl/site.tar.xz; carry it and
 # start the device command with `mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site &&
@@ -111,11 +114,18 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_fp8_kv.py tests/test_kv_cache_fp8.py \
       2>&1 | tee "$out/kv_fp8_tests.log"
     qwen3_model
-    python3 -m loadtest.kv_dtype_bench --device cuda --model "$QWEN3" --num-seqs 256 --prompt-len 512 \
+    python3 -m loadtest.quant_bench --device cuda --model "$QWEN3" --num-seqs 256 --prompt-len 512 \
       --output-len 256 --kv-cache-dtypes auto,fp8 --out "$out/kv_dtype_bench.json" 2>&1 | tee "$out/kv_dtype_bench.log" ;;
+  quant)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_fp8_gemm.py tests/test_kernels_int4_gemm.py \
+      tests/test_kernels_gguf.py tests/test_quantization.py tests/test_quantization_fp8.py tests/test_quantization_int8.py \
+      tests/test_quantization_int4.py tests/test_quantization_gguf.py 2>&1 | tee "$out/quant_tests.log"
+    [ -d /tmp/llama-8b ] || python3 -m engine.tools.tiny_model --out /tmp/llama-8b --preset llama-8b
+    python3 -m loadtest.quant_bench --device cuda --model /tmp/llama-8b --num-seqs 64 --prompt-len 512 \
+      --output-len 256 --quantizations none,fp8 --out "$out/quant_bench.json" 2>&1 | tee "$out/quant_bench.log" ;;
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|quant)"
      exit 2 ;;
 esac

@@ -34,10 +34,12 @@ def build(kernel, sig, consts, options):
     c = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=H100, options=options)
     return {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin"))}
 
-def attention(elem, max_q, group, head_dim, block_size, split, score_options=0):
+def attention(elem, max_q, group, head_dim, block_size, split, score_options=0, fp8_kv=0):
     cfg = wrapper._launch_config(max_q, group, head_dim, block_size, TT[elem])
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
-    sig = {n: "*" + elem for n in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr")}
+    sig = {n: "*" + elem for n in ("out_ptr", "query_ptr")}
+    sig.update({n: "*fp8e4nv" if fp8_kv else "*" + elem for n in ("k_cache_ptr", "v_cache_ptr")})
+    sig.update({n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")})
     sig.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")})
     sig.update({n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")})
     sig["sinks_ptr"] = "*" + elem
@@ -50,7 +52,7 @@ def attention(elem, max_q, group, head_dim, block_size, split, score_options=0):
         sig[n] = "i32"
     flags = bool(score_options)  # sliding window, soft cap and sinks, all on or all off
     consts = dict(cfg, BLOCK_SIZE=block_size, SPLIT=bool(split), SLIDING=flags, SOFT_CAP=flags,
-                  HAS_SINKS=flags)
+                  HAS_SINKS=flags, FP8_KV=bool(fp8_kv))
     return build(attn.paged_attention_kernel, sig, consts, options)
 
 def reduce_splits(elem, head_dim, splits):
@@ -64,17 +66,19 @@ def reduce_splits(elem, head_dim, splits):
     consts = dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=splits_p, BLOCK_R=block_r)
     return build(split_kv.reduce_splits_kernel, sig, consts, {"num_warps": 4})
 
-def store_kv():
-    sig = {n: "*bf16" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+def store_kv(fp8=False):
+    sig = {n: "*bf16" for n in ("key_ptr", "value_ptr")}
+    sig.update({n: "*fp8e4nv" if fp8 else "*bf16" for n in ("k_cache_ptr", "v_cache_ptr")})
     sig["slot_ptr"] = "*i64"
+    sig.update({n: "*fp32" for n in ("k_scale_ptr", "v_scale_ptr")})
     for n in ("num_tokens", "num_kv_heads", "stride_k_tok", "stride_k_head", "stride_k_dim",
               "stride_v_tok", "stride_v_head", "stride_v_dim", "stride_c_slot", "stride_c_head"):
         sig[n] = "i32"
     sig["num_slots"] = "i64"
-    return build(skv._store_kv_kernel, sig, dict(HEAD_DIM=80, HEAD_DIM_P=128, BLOCK_H=8),
+    return build(skv._store_kv_kernel, sig, dict(HEAD_DIM=80, HEAD_DIM_P=128, BLOCK_H=8, FP8=fp8),
                  {"num_warps": 4})
 
-results = {"store_kv": store_kv(), "reduce-bf16-128-9": reduce_splits("bf16", 128, 9),
+results = {"store_kv": store_kv(), "store_kv-fp8": store_kv(fp8=True), "reduce-bf16-128-9": reduce_splits("bf16", 128, 9),
            "reduce-fp16-80-16": reduce_splits("fp16", 80, 16)}
 for cfg in json.loads(sys.argv[1]):
     results["-".join(map(str, cfg))] = attention(*cfg)
@@ -84,7 +88,7 @@ print(json.dumps(results))
 # (dtype, max_seqlen_q, group, head_dim, block_size, split[, score_options]): decode and
 # prefill, both K/V addressing paths (block_size 24 takes the per-key gather), padded
 # head_dims, the split-KV variant (partials instead of the output) for decode and a chunk,
-# and sliding window + soft cap + sinks, split and not.
+# sliding window + soft cap + sinks, split and not, and an fp8 cache.
 ATTN_CONFIGS = [
     ("fp16", 1, 4, 128, 16, 0),
     ("bf16", 512, 1, 80, 32, 0),
@@ -94,6 +98,8 @@ ATTN_CONFIGS = [
     ("bf16", 8, 2, 80, 24, 1),
     ("bf16", 64, 4, 64, 16, 0, 1),
     ("fp16", 1, 8, 128, 16, 1, 1),
+    ("bf16", 1, 4, 128, 16, 1, 0, 1),   # an fp8 KV cache: decode split, and a prefill chunk
+    ("bf16", 128, 2, 64, 16, 0, 0, 1),
 ]
 NUM_REDUCE_CONFIGS = 2
 SHARED_MEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_90
@@ -108,7 +114,7 @@ def test_kernels_compile_for_h100():
         pytest.skip("this triton build has no ahead-of-time CUDA backend")
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(ATTN_CONFIGS) + 1 + NUM_REDUCE_CONFIGS
+    assert len(results) == len(ATTN_CONFIGS) + 2 + NUM_REDUCE_CONFIGS
     for name, info in results.items():
         assert info["cubin"], f"{name}: no cubin produced"
         assert info["shared"] <= SHARED_MEM_LIMIT, f"{name}: {info['shared']} B shared memory"
