@@ -11,8 +11,8 @@ at decode and prefill row counts (docs/benchmarks.md, "CPU kernels").
 torch exposes this as the ops its inductor uses for frozen CPU graphs,
 `mkldnn._reorder_linear_weight` and `mkldnn._linear_pointwise`; where they are
 missing (a build without oneDNN) layers keep `F.linear`. bf16 weights are packed too where
-the CPU has native bf16 (AVX-512 BF16 / AMX): on the bench model's linears that is 1.2-1.6x
-bf16 `F.linear` at 1-64 rows (engine/layers/quantization/int8.py's survey, one thread).
+the CPU has native bf16 (AVX-512 BF16 / AMX), where oneDNN's packed bf16 beats bf16 `F.linear`
+(`python -m loadtest.cpu_quant_bench`: bf16 oneDNN against fp32 oneDNN and `F.linear`).
 """
 from __future__ import annotations
 

@@ -33,9 +33,8 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1e-12  # an all-zero tensor's scale (x / 0 would be NaN)
 # Weight-only: rows dequantized per tile, ~1 MiB of fp32 each, so no layer is ever dense in memory.
 TILE_ELEMS = 1 << 18
-# CpuFp8Kernel: the fused kernel up to this many rows, C-dequantized tiles + torch's GEMM above
-# (measured on a 2-core AVX-512 EPYC, 2048x2048: fused 1.6x faster than tiles at 256 rows, even at
-# 512, tiles 1.5x faster at 2048).
+# CpuFp8Kernel: the fused kernel up to this many rows, C-dequantized tiles + torch's GEMM above,
+# where GEMM blocking outweighs converting each tile once (loadtest.cpu_quant_bench).
 FUSED_MAX_ROWS = 256
 
 # What HF's and vLLM's fp8 configs hold (`fmt` and `dequantize` are HF's; ignored_layers is vLLM's
@@ -225,7 +224,7 @@ class CpuFp8Kernel(WeightOnlyTiles):
     bytes. More rows (prefill), the tiles above, dequantized by C and multiplied by torch's GEMM, whose
     blocking beats the fused loop once the conversion is spread over that many rows."""
 
-    # 4 MiB fp32 tiles: at 2048 rows MKL on 1 MiB tiles ran 1.2x slower than on 4 MiB ones.
+    # 4 MiB fp32 tiles: MKL blocks larger tiles better at prefill row counts (loadtest.cpu_quant_bench).
     tile_elems = 1 << 20
 
     def __call__(self, x, w, scale, input_scale, bias):

@@ -7,14 +7,13 @@ Three ways in, one storage:
   (W8A16) and `Int8W8A8LinearMethod` (int8 activations too, per token or a static scale), with a
   per-channel or per-tensor weight scale.
 
-How it computes on CPU (candidates timed on the bench model's 24 linears against our fp32 oneDNN
-path, one thread; figures in docs/benchmarks.md):
+How it computes on CPU (candidates timed against our fp32 oneDNN path: `python -m
+loadtest.cpu_quant_bench`, figures in docs/benchmarks.md):
 - W8A16: activations in bf16 (the "16" of W8A16, even in an fp32 engine). Up to `_INT8PACK_MAX_ROWS`
-  rows torch's `_weight_int8pack_mm` streams the int8 weight (decode: ~3x our fp32 oneDNN); above
-  it that kernel falls behind fp32, so the weight is widened to bf16 for one bf16 matmul and the
-  scale applied to its output (~1.0x at 16-32 rows, 1.4-1.8x at 64-256, ~3x at 2048).
-- W8A8: `torch._int_mm` on the int8 weight's transposed view, int32 accumulate, then both scales
-  (~2-3x our fp32 at every row count measured).
+  rows torch's `_weight_int8pack_mm` streams the int8 weight; above it that kernel falls behind, so
+  the weight is widened to bf16 for one bf16 matmul (a temporary, per call) and the scale applied
+  to its output.
+- W8A8: `torch._int_mm` on the int8 weight's transposed view, int32 accumulate, then both scales.
 CUDA (untested here: no GPU on the dev box): W8A8 through the same `_int_mm`; W8A16 widens the
 weight to the activation dtype for each call.
 """
@@ -29,8 +28,7 @@ from torch import nn
 from engine.layers.quantization.base import LinearMethodBase, QuantizationConfig, new_param
 
 STRATEGIES = ("channel", "tensor")
-# Rows up to which `_weight_int8pack_mm` beats widening the weight (bench model, AVX-512 BF16 box,
-# one thread, against our fp32 oneDNN: 3x at 1 row, 1.5x at 8, 0.9x at 16 where widening is 1.0x).
+# Rows up to which `_weight_int8pack_mm` beats widening the weight (loadtest.cpu_quant_bench).
 _INT8PACK_MAX_ROWS = 8
 _CPU_ACT_DTYPE = torch.bfloat16
 # CUDA's _int_mm takes more than 16 rows only.
