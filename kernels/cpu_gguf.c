@@ -25,6 +25,7 @@
 #define ERR_TYPE 1 /* a type id without a dequantizer here */
 #define ERR_NOMEM 2 /* a thread's row buffer could not be allocated (y is then incomplete) */
 #define NR 4 /* W rows dequantized together: each x chunk loaded serves NR of them */
+#define X_BLOCK_BYTES (256 * 1024) /* x rows multiplied per pass over W: a quarter of a 1 MiB L2 */
 #define MR 4 /* x rows per register block: NR * MR = CHUNK accumulators, summed by one transpose_sum */
 
 /* Keeps v in a register: otherwise GCC folds a loaded vector into each multiply-add that uses
@@ -87,6 +88,14 @@ static void row_group(const gguf_args *a, float *wbuf, int64_t n0) {
     }
 }
 
+/* Rows of x per pass over W: a block of x that stays in L2 while every group of W rows reads it.
+ * A prefill of thousands of rows would otherwise stream all of x from memory once per group;
+ * the price is dequantizing W once per block, small beside the block's multiply-adds. */
+static int64_t x_block_rows(int64_t K) {
+    const int64_t rows = X_BLOCK_BYTES / ((int64_t)sizeof(float) * K) / MR * MR;
+    return rows > MR ? rows : MR;
+}
+
 /* y [M, N] (rows y_stride apart) = x [M, K] (rows x_stride apart) @ W.T, W = w's N rows of
  * `qtype` blocks, row_bytes apart; K a multiple of the block (and so of 32).
  * Returns 0, ERR_TYPE for a type this file cannot dequantize, or ERR_NOMEM. */
@@ -95,8 +104,7 @@ int rayllm_gguf_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, i
     int64_t elems, bytes;
     block_layout(qtype, &elems, &bytes);
     if (elems == 0) return ERR_TYPE;
-    const gguf_args a = {x, x_stride, w, row_bytes, qtype, y, y_stride, M, N, K};
-    const int64_t groups = (N + NR - 1) / NR;
+    const int64_t groups = (N + NR - 1) / NR, mb = x_block_rows(K);
     int err = 0;
 #pragma omp parallel if (M * N * K >= PARALLEL_MIN_WORK)
     {
@@ -105,9 +113,13 @@ int rayllm_gguf_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, i
 #pragma omp atomic write
             err = ERR_NOMEM;
         }
+        for (int64_t m0 = 0; m0 < M; m0 += mb) { /* every thread, in step: the omp for's barrier */
+            const gguf_args a = {x + m0 * x_stride, x_stride, w, row_bytes, qtype, y + m0 * y_stride, y_stride,
+                                 M - m0 < mb ? M - m0 : mb, N, K};
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            if (wbuf != NULL) row_group(&a, wbuf, g * NR);
+            for (int64_t g = 0; g < groups; g++)
+                if (wbuf != NULL) row_group(&a, wbuf, g * NR);
+        }
         free(wbuf);
     }
     return err;
