@@ -53,7 +53,7 @@ def test_torch_dequantize_equals_gguf(qtype):
     np.testing.assert_array_equal(dequantize(torch.from_numpy(blocks), int(qtype)).numpy(), expected)
 
 
-@pytest.mark.parametrize("n", [1, 3, 17, 40])  # both sides of MANY_ROWS, odd counts
+@pytest.mark.parametrize("n", [1, 3, 17, 40, 100])  # partial 4-row blocks; 100 x 768: two 256 KiB x blocks
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_cpu_kernel_matches_dequantize_and_matmul(qtype, n):
     assert cpu_gguf.available(), "the C kernel did not build"
