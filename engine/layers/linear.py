@@ -98,9 +98,9 @@ class LinearBase(nn.Module):
         copy_weight(dst, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(x, self.bias)
+        return self._linear(x, self.bias)
 
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.quant_method.apply(self, x, bias)
         if self.lora is not None:  # this step's adapters' deltas: before a row-parallel all_reduce
             self.lora.add_delta(x, y)
@@ -244,5 +244,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias: the all_reduce sums it otherwise tp_size times.
-        y = self._apply(x, self.bias if self.tp_rank == 0 else None)
+        y = self._linear(x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y)
