@@ -75,6 +75,7 @@ def test_each_adapter_equals_hf_with_it_merged(lora_llm, adapters):
         outs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                                  lora_request=lora)
         _check(outs, prompts, [name] * 2, adapters)
+        assert all(out.lora_request == lora for out in outs)
     ref_a = hf_greedy(adapters["a"][1], prompts[0], MAX_TOKENS).token_ids
     assert ref_a != hf_greedy(adapters["base"][1], prompts[0], MAX_TOKENS).token_ids, "the adapter changes nothing"
 

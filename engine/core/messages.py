@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.lora.request import LoRARequest
 
 
 @dataclass
@@ -104,4 +105,4 @@ class ModelInput:
     # with LoRA off), and the adapters every rank loads into their slots before this step's forward
     # ((slot, LoRARequest), planned by rank 0: engine/lora/worker_manager.py).
     lora_slots: list[int] = field(default_factory=list)
-    lora_loads: list = field(default_factory=list)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)

@@ -82,7 +82,8 @@ class LLM:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the checkpoint's chat template (or `chat_template`), then generated as `generate`
         does; one output per conversation, in order. `tools` (OpenAI function tools) and
-        `chat_template_kwargs` (e.g. {"enable_thinking": False}) reach the template, as in vLLM."""
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) reach the template, as in vLLM;
+        `lora_request` as for `generate`."""
         conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
         if not has_chat_template(tokenizer, chat_template):
