@@ -3,11 +3,12 @@
     from engine import LLM, SamplingParams
 """
 from engine.config import EngineConfig, ModelConfig
+from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
-    "AsyncLLM", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "Logprob", "ModelConfig",
+    "AsyncLLM", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "Logprob", "LoRARequest", "ModelConfig",
     "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
 ]
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -56,6 +58,7 @@ class RequestOutput:
     # When prompt_logprobs was asked for: one entry per prompt token, the first None (no context),
     # else {prompt token: Logprob, plus the top-k}. DELTA outputs carry it once, when complete.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with (docs/lora.md); None: the base model
 
     def add(self, next_output: "RequestOutput") -> None:
         """Append a later DELTA output of the same request to this one (the reader was behind).

@@ -140,8 +140,8 @@ def test_request_registered_as_the_loop_ends_is_not_left_waiting(make_llm, endin
     llm = make_llm()
     real_make_request = llm.engine.make_request
 
-    def make_request_then_end_loop(request_id, *args):
-        state = real_make_request(request_id, *args)
+    def make_request_then_end_loop(request_id, *args, **kwargs):
+        state = real_make_request(request_id, *args, **kwargs)
         if ending == "death":
             llm.engine.executor.forward = _boom
             llm._client.add_request(real_make_request("killer", "x", SamplingParams(max_tokens=2)))

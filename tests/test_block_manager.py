@@ -400,3 +400,27 @@ def test_check_fits_names_the_group():
     sched.check_fits(12, 4)  # 15 KV tokens: 4 blocks in the full pool, at most 4 in the sliding one
     with pytest.raises(PromptTooLongError, match="KV cache group 0 has num_blocks=4"):
         sched.check_fits(20, 4)
+
+
+def test_prefix_cache_keys_blocks_by_lora_adapter():
+    """Same tokens under another adapter (or the base model) never hit: their K/V differ."""
+    from engine.lora import LoRARequest
+
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    lora = {i: LoRARequest(f"l{i}", i, "/unused") for i in (1, 2)}
+    tokens = list(range(9))
+    base = make_seq(tokens)
+    admit(bm, base)
+    compute(bm, base)
+    a = Sequence("a", tokens, SamplingParams(max_tokens=8), lora_request=lora[1])
+    assert admit(bm, a) == 0 and a.block_table == [3, 4, 5]
+    compute(bm, a)
+    b = Sequence("b", tokens, SamplingParams(max_tokens=8), lora_request=lora[2])
+    assert admit(bm, b) == 0
+    a2 = Sequence("a2", tokens, SamplingParams(max_tokens=8), lora_request=lora[1])
+    assert admit(bm, a2) == 8 and a2.block_table[:2] == [3, 4]  # its own adapter's blocks
+    assert base.block_hashes[0] == hash_block_tokens(None, tokens[:4])  # base-model hashes unchanged
+    assert len({base.block_hashes[0], a.block_hashes[0], b.block_hashes[0]}) == 3
+    for s in (base, a, b, a2):
+        bm.free(s)
+    bm.check_no_leak()

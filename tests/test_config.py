@@ -46,6 +46,13 @@ def test_async_scheduling_stays_off_with_tensor_parallel_on_cuda(with_cuda):
     assert EngineConfig(model="m", tensor_parallel_size=2).resolve(model_config()).async_scheduling is False
 
 
+def test_enable_lora_runs_eagerly_on_cuda(with_cuda):
+    """Captured graphs would bake in one step's adapter rows: LoRA turns them off (docs/lora.md)."""
+    assert EngineConfig(model="m", enable_lora=True).resolve(model_config()).enforce_eager is True
+    assert EngineConfig(model="m").resolve(model_config()).enforce_eager is False
+    assert EngineConfig(model="m", device="cpu", enable_lora=True).resolve(model_config()).enforce_eager is False
+
+
 def test_explicit_values_are_kept(with_cuda):
     """device='cpu' on a GPU host stays on the CPU (and so picks the CPU backend), and explicit
     values win over every rule, including Triton on the CPU (interpreted, for tests)."""

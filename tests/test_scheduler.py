@@ -304,3 +304,24 @@ def test_prompt_logprobs_request_takes_capped_chunks(monkeypatch):
     assert step(sched).out.num_scheduled_tokens[0] == 8
     run_all(sched)
     sched.block_manager.check_no_leak()
+
+
+def test_max_loras_limits_the_adapters_running_at_once():
+    """max_loras=1: a waiting sequence of another adapter keeps its place while later ones of
+    the running adapter (or the base model) go; it runs once the running adapter's are done."""
+    from engine.lora import LoRARequest
+
+    bm = BlockManager(32, BS)
+    sched = Scheduler(8, 64, 64, bm, [EOS], max_loras=1)
+    l1, l2 = LoRARequest("one", 1, "/unused"), LoRARequest("two", 2, "/unused")
+    seqs = [Sequence(rid, list(range(100 * i, 100 * i + 5)), SamplingParams(max_tokens=2), lora_request=lr)
+            for i, (rid, lr) in enumerate([("a", l1), ("b", l2), ("c", l1), ("d", None)], start=1)]
+    for s in seqs:
+        sched.add_seq(s)
+    first = step(sched)
+    assert [rid for rid, _ in first.scheduled] == ["a", "c", "d"]
+    assert [s.request_id for s in sched.waiting] == ["b"]
+    assert [rid for rid, _ in step(sched).scheduled] == ["a", "c", "d"]  # they finish (max_tokens=2)
+    assert [rid for rid, _ in step(sched).scheduled] == ["b"]
+    run_all(sched)
+    bm.check_no_leak()

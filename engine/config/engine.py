@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,8 @@ from engine.errors import check_int as _positive
 
 if TYPE_CHECKING:
     from engine.config.model import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # The valid concrete values; each EngineConfig field also takes "auto".
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names: getattr(torch, name)
@@ -61,6 +64,13 @@ class EngineConfig:
     reasoning_parser: str | None = None
     distributed_init_method: str | None = None  # "tcp://host:port" for TP workers; None picks a free local port
     worker_start_timeout_s: float = 120.0       # a TP worker not up by then fails start-up, naming its rank
+    # Multi-LoRA (docs/lora.md): requests may name a PEFT adapter (LoRARequest). max_loras adapters
+    # run in one step (slots on the device), each of rank <= max_lora_rank; max_cpu_loras are kept
+    # in host memory, least recently used dropped (None: max_loras). CUDA graphs are off with it.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto",) + DTYPES)
@@ -87,6 +97,7 @@ class EngineConfig:
             raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: choose True, False or None")
         if self.reasoning_parser is not None:
             _check_reasoning_parser(self.reasoning_parser)
+        _check_lora(self)
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
@@ -110,6 +121,10 @@ class EngineConfig:
             async_scheduling = on_cuda and self.tensor_parallel_size == 1
         if on_cuda and self.kv_cache_dtype != "auto":
             _check_fp8_kv_cache(self.kv_cache_dtype)
+        enforce_eager = self.enforce_eager
+        if self.enable_lora and on_cuda and not enforce_eager:
+            logger.info("enable_lora: CUDA graphs are not captured (the adapters' deltas run eagerly)")
+            enforce_eager = True
         quantization = resolve_quantization(self.quantization, model_config.quantization, _is_gguf(self.model))
         if quantization is not None:
             _check_quantization_config(quantization, model_config)
@@ -118,7 +133,7 @@ class EngineConfig:
             attention_backend=_resolve_attention_backend(self.attention_backend, on_cuda),
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_cuda else 2048),
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, enforce_eager=enforce_eager)
 
     @property
     def is_resolved(self) -> bool:
@@ -192,6 +207,16 @@ def _check_reasoning_parser(name: Any) -> None:
         get_reasoning_parser(name)
     except (ValueError, TypeError) as e:
         raise ValueError(f"reasoning_parser={name!r} is invalid: {e}") from None
+
+
+def _check_lora(c: EngineConfig) -> None:
+    _positive("max_loras", c.max_loras)
+    _positive("max_lora_rank", c.max_lora_rank)
+    if c.max_cpu_loras is not None:
+        _positive("max_cpu_loras", c.max_cpu_loras)
+        if c.max_cpu_loras < c.max_loras:
+            raise ValueError(f"max_cpu_loras={c.max_cpu_loras} is invalid: must be >= max_loras={c.max_loras} "
+                             f"(every adapter in a slot is also in the host cache)")
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:

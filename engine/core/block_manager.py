@@ -42,8 +42,12 @@ _ROOT_HASH = b"\0" * 32
 NULL_BLOCK_ID = 0
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
-    """Chained hash of one full block: sha256(parent digest || token ids as int64).
+def hash_block_tokens(parent_hash: int | None, token_ids: list[int], lora_int_id: int = 0) -> int:
+    """Chained hash of one full block: sha256(parent digest || token ids as int64 [|| LoRA id]).
+
+    A sequence running a LoRA adapter computes other K/V for the same tokens, so its blocks hash
+    with the adapter's id (every block, as vLLM's extra keys): no request ever reuses another
+    adapter's KV, or the base model's. Base-model hashes are unchanged (id 0 adds nothing).
 
     sha256 rather than Python's `hash(tuple)`: a collision would silently hand
     one request another's KV (wrong output, or a cross-tenant leak), and
@@ -52,6 +56,8 @@ def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
     """
     h = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash.to_bytes(32, "little"))
     h.update(array("q", token_ids).tobytes())
+    if lora_int_id:
+        h.update(b"lora" + lora_int_id.to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -274,7 +280,7 @@ class BlockManager:
         bs, hashes = self.block_size, seq.block_hashes
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.lora_int_id)
             hashes.append(parent)
 
     def _table(self, seq: Sequence) -> list[int]:

@@ -17,6 +17,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.loader.model_path import resolve_model_path
+from engine.lora.peft_adapter import read_peft_adapter
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.core.request_state import RequestState
 from engine.sampling_params import SamplingParams, bad_words_token_ids
@@ -52,7 +54,8 @@ class LLMEngine:
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len, block_manager=self.block_manager,
-                                   eos_token_ids=self.eos_token_ids)
+                                   eos_token_ids=self.eos_token_ids,
+                                   max_loras=config.max_loras if config.enable_lora else None)
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
@@ -64,14 +67,17 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     arrival_time: float | None = None) -> RequestState:
+                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> RequestState:
         """Tokenize and validate; touches no engine state, so a caller may run it on any thread."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival) for i in range(params.n)]
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, lora_request=lora_request)
+                for i in range(params.n)]
         for sib in seqs[1:]:
             sib.prefix_source = seqs[0]
         if params.bad_words:
@@ -261,6 +267,15 @@ class LLMEngine:
         self._check_token_ids("logit_bias", params.logit_bias or ())
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+
+    def _check_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter is one the engine runs (engine/lora/peft_adapter.py); ValueError naming it if not."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request={lora_request!r} is invalid: pass a LoRARequest")
+        if not self.config.enable_lora:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is off (start the engine "
+                             f"with enable_lora=True)")
+        read_peft_adapter(lora_request, self.config.max_lora_rank, self.model_config)
 
     def _check_token_ids(self, name: str, token_ids) -> None:
         """Token ids a request names must be rows of the logits (not just of the tokenizer)."""

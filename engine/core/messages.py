@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.lora.request import LoRARequest
 
 
 @dataclass
@@ -100,3 +101,8 @@ class ModelInput:
     # [group - 1][num_seqs][max_blocks]. Empty for a model with one group.
     group_slot_mappings: list[list[int]] = field(default_factory=list)
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    # LoRA (enable_lora): each sequence's adapter slot, -1 for the base model ([num_seqs]; empty
+    # with LoRA off), and the adapters every rank loads into their slots before this step's forward
+    # ((slot, LoRARequest), planned by rank 0: engine/lora/worker_manager.py).
+    lora_slots: list[int] = field(default_factory=list)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)

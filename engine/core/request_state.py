@@ -55,7 +55,7 @@ class RequestState:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=finished,
                              metrics=self.metrics, num_cached_tokens=self.metrics.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, lora_request=self.seqs[0].lora_request)
 
     def _prompt_logprobs(self, tokenizer) -> list | None:
         """vLLM's prompt_logprobs once completion 0 has scored the whole prompt, else None."""

@@ -8,7 +8,10 @@ One step, under `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
      later) until it fits, or it is itself the newest and steps back.
   2. waiting sequences, FIFO, while tokens, sequence slots and blocks last; a
      prompt may be admitted with only its first chunk. Skipped in a step that
-     preempted: there was no room for what was already running.
+     preempted: there was no room for what was already running. With LoRA, a
+     sequence whose adapter would make more than `max_loras` distinct adapters
+     among the running sequences keeps its place and waits (later ones may pass
+     it, as in vLLM), so a step never needs more adapter slots than there are.
 
 Prefill and decode mix in one step; the model runner sees one flat batch.
 
@@ -38,8 +41,12 @@ MAX_PROMPT_LOGPROB_ROWS = 512
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_manager: BlockManager | HybridBlockManager, eos_token_ids: list[int] | tuple[int, ...] = ()):
+                 block_manager: BlockManager | HybridBlockManager, eos_token_ids: list[int] | tuple[int, ...] = (),
+                 max_loras: int | None = None):
         check_int("max_num_seqs", max_num_seqs)
+        if max_loras is not None:
+            check_int("max_loras", max_loras)
+        self.max_loras = max_loras  # None: LoRA is off
         check_int("max_num_batched_tokens", max_num_batched_tokens)
         check_int("max_model_len", max_model_len)
         self.max_num_seqs = max_num_seqs
@@ -192,7 +199,7 @@ class Scheduler:
         skipped: list[Sequence] = []  # siblings waiting for their source's prompt; keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_output_placeholders or self._waits_for_prefix_source(seq):
+            if seq.num_output_placeholders or self._waits_for_prefix_source(seq) or self._waits_for_lora(seq):
                 # A placeholder: preempted while its last step was in flight; back once processed.
                 skipped.append(self.waiting.popleft())
                 continue
@@ -205,6 +212,13 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _waits_for_lora(self, seq: Sequence) -> bool:
+        """Its adapter is not running and max_loras others are."""
+        if self.max_loras is None or not seq.lora_int_id:
+            return False
+        running = {s.lora_int_id for s in self.running if s.lora_int_id}
+        return seq.lora_int_id not in running and len(running) >= self.max_loras
 
     @staticmethod
     def _live_prefix_source(seq: Sequence) -> Sequence | None:

@@ -9,6 +9,7 @@ import enum
 import itertools
 import time
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -27,8 +28,9 @@ class Sequence:
         return self.block_tables[0]
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 index: int = 0, arrival_time: float | None = None):
+                 index: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None):
         self.request_id = request_id
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.seq_id = next(_seq_counter)  # unique across the process; keys per-sequence sampler state
         self.index = index                # which of the request's n completions this is
         self.sampling_params = sampling_params
@@ -86,6 +88,11 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model (the scheduler's max_loras rule, the prefix-cache hashes)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_finished(self) -> bool:

@@ -5,7 +5,7 @@
                  <-- on_outputs(pairs, stats, iteration stats), called by that thread
 
     MPClient: EngineCore in a spawned engine process, pickled messages over two pipes
-        AsyncLLM -- ("add", (id, prompt, params)) --> input thread: make_request -> core.add_request
+        AsyncLLM -- ("add", (id, prompt, params, lora)) --> input thread: make_request -> core.add_request
                  -- ("abort", id) | ("stop", None) --> core.abort_request | core.stop
                  <-- ("out", pairs, stats, iteration stats) | ("dead", error) -- step loop
         reader thread: each message -> on_outputs / on_dead
@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import CoreInfo, EngineCore, OnOutputs, PromptCache, run_engine_core
 from engine.core.llm_engine import LLMEngine, PromptType
 from engine.errors import EngineDeadError
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class EngineCoreClient(abc.ABC):
         """The engine's tokenizer; AttributeError where it lives in another process."""
 
     @abc.abstractmethod
-    async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams):
+    async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                           lora_request: LoRARequest | None = None):
         """What add_request takes: in-process, a validated RequestState (ValueError raised here);
         for an engine process, the request as given (validated there: an error is its only output)."""
 
@@ -98,10 +100,12 @@ class InprocClient(EngineCoreClient):
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams):
+    async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                           lora_request: LoRARequest | None = None):
         if params.structured_outputs is not None:  # grammar compilation may take a while: not on the loop
-            return await asyncio.to_thread(self.engine.make_request, request_id, prompt, params)
-        return self.engine.make_request(request_id, prompt, params)
+            return await asyncio.to_thread(self.engine.make_request, request_id, prompt, params,
+                                           lora_request=lora_request)
+        return self.engine.make_request(request_id, prompt, params, lora_request=lora_request)
 
     def add_request(self, request) -> None:
         self.core.add_request(request)
@@ -151,8 +155,10 @@ class MPClient(EngineCoreClient):
     def tokenizer(self):
         raise AttributeError("AsyncLLM(engine_process=True) holds no tokenizer: the engine process does")
 
-    async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams):
-        return request_id, prompt, params  # validated in the engine process: an error is the request's output
+    async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                           lora_request: LoRARequest | None = None):
+        # Validated in the engine process: an error is the request's output.
+        return request_id, prompt, params, lora_request
 
     def add_request(self, request) -> None:
         try:

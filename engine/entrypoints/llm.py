@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine, PromptType
 from engine.entrypoints.prompts import encode, has_chat_template, render_chats
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,16 +44,19 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or a list with one (or None) per prompt (docs/lora.md)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down; build a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
+        loras = _broadcast_loras(lora_request, len(prompts))
         engine = self.llm_engine
         # Validate every prompt before adding any, so a bad one leaves nothing half-queued.
-        states = [engine.make_request(str(next(self._counter)), p, _final_only(sp))
-                  for p, sp in zip(prompts, params)]
+        states = [engine.make_request(str(next(self._counter)), p, _final_only(sp), lora_request=lr)
+                  for p, sp, lr in zip(prompts, params, loras)]
         for state in states:
             engine.add_request_state(state)
         finished: dict[str, RequestOutput] = {}
@@ -73,11 +77,13 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the checkpoint's chat template (or `chat_template`), then generated as `generate`
         does; one output per conversation, in order. `tools` (OpenAI function tools) and
-        `chat_template_kwargs` (e.g. {"enable_thinking": False}) reach the template, as in vLLM."""
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) reach the template, as in vLLM;
+        `lora_request` as for `generate`."""
         conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
         if not has_chat_template(tokenizer, chat_template):
@@ -93,7 +99,7 @@ class LLM:
         # tokens (a BOS among them), so none are added; the server's chat route does the same.
         token_ids = encode(tokenizer, texts, chat=True)
         prompts = [{"prompt": text, "prompt_token_ids": ids} for text, ids in zip(texts, token_ids)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _as_conversations(messages) -> list[list[dict[str, Any]]]:
@@ -113,6 +119,15 @@ def _broadcast_params(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one or one per prompt")
     return params
+
+
+def _broadcast_loras(lora_request, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_requests for {n} prompts; pass one or one per prompt")
+    return loras
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -52,6 +52,8 @@ class LinearBase(nn.Module):
         # `weight` emptied; None means F.linear on `weight`.
         self.packed_weight: torch.Tensor | None = None
         self.quant_method: LinearMethodBase | None = None
+        # With enable_lora: this layer's adapter slots (engine.layers.lora), attached after loading.
+        self.lora = None
         if bias:
             self.bias = set_layout(nn.Parameter(torch.empty(output_size), requires_grad=False), output_dim=0)
             self.bias.weight_loader = self.weight_loader
@@ -96,7 +98,13 @@ class LinearBase(nn.Module):
         copy_weight(dst, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.quant_method.apply(self, x, bias)
+        if self.lora is not None:  # this step's adapters' deltas: before a row-parallel all_reduce
+            self.lora.add_delta(x, y)
+        return y
 
 
 def _narrow_pair(dst: torch.Tensor, src: torch.Tensor, dim: int, shard: tuple[int, int, int],
@@ -236,5 +244,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias: the all_reduce sums it otherwise tp_size times.
-        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        y = self._linear(x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y)

@@ -48,8 +48,19 @@ class AttentionMetadata:
 
 
 @dataclass
+class LoRAMapping:
+    """Which rows of the step's flat batch run which LoRA slot (engine/layers/lora.py): the rows of
+    `slots[i]` are `row_indices[i]` ([num_rows] int64), or every row when that is None. Base-model
+    rows are in no entry. At most max_loras entries, so a layer loops over adapters, never tokens."""
+
+    slots: list[int]
+    row_indices: list[torch.Tensor | None]
+
+
+@dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
+    lora_mapping: LoRAMapping | None = None  # None: no adapter in this step (or LoRA is off)
 
 
 _forward_context: ForwardContext | None = None
@@ -62,10 +73,10 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None):
+def set_forward_context(attn_metadata: AttentionMetadata | None, lora_mapping: LoRAMapping | None = None):
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    _forward_context = ForwardContext(attn_metadata, lora_mapping)
     try:
         yield _forward_context
     finally:

@@ -48,6 +48,8 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = self._build_model(model_path)
+        # Adapter slots before the KV cache is sized: they are part of what the device holds.
+        self.lora_manager = self._make_lora_manager()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # The runner owns the backend choice, as it owns the KV cache: model constructors never see it.
         fp8_kv = self.kv_cache_dtype == torch.float8_e4m3fn
@@ -91,6 +93,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             _pack_weights_for_cpu(model)
         return model.eval()
+
+    def _make_lora_manager(self):
+        if not self.config.enable_lora:
+            return None
+        from engine.lora.worker_manager import LoRAModelManager
+
+        return LoRAModelManager(self.model, self.config, self.model_config)
 
     def _construct(self, cls) -> torch.nn.Module:
         if self.config.quantization is None:
@@ -279,7 +288,8 @@ class ModelRunner:
             seq_lens_cpu=mi.seq_lens, query_lens_cpu=mi.query_lens,
             group_slot_mappings=[to_device(s, torch.long, self.device) for s in mi.group_slot_mappings],
             group_block_tables=[to_device(t, torch.int32, self.device) for t in mi.group_block_tables])
-        with set_forward_context(meta):
+        lora_mapping = None if self.lora_manager is None else self.lora_manager.prepare(mi)
+        with set_forward_context(meta, lora_mapping):
             return self.model(input_ids, to_device(mi.positions, torch.long, self.device))
 
     @staticmethod
@@ -329,6 +339,8 @@ class ModelRunner:
             mi.group_slot_mappings.append(_slot_mapping(so, g, bs))
             tables = [seq.block_tables[g][:max_blocks] for seq in so.seqs]
             mi.group_block_tables.append([bt + [0] * (max_blocks - len(bt)) for bt in tables])
+        if self.lora_manager is not None:
+            mi.lora_slots, mi.lora_loads = self.lora_manager.plan([seq.lora_request for seq in so.seqs])
         return mi
 
     def free_seq(self, seq_id: int) -> None:

@@ -1,0 +1,69 @@
+"""LoRA slots of one linear layer, and the delta they add to its output in a step.
+
+Each LoRA-capable linear (engine/lora/worker_manager.py picks them) holds, for this TP rank,
+R = max_lora_rank and P = its parts (3 for qkv_proj, 2 for gate_up_proj, 1 otherwise):
+
+    lora_a [max_loras, P * R, in_local]    part p's A in rows p*R : p*R + r, the rest zero
+    lora_b [max_loras, out_local, P * R]   part p's scaling * B in its output rows and columns
+                                           p*R : p*R + r: block-diagonal over the parts
+
+        lora_b[slot] of qkv_proj:   cols  [ q's R | k's R | v's R ]
+                           q rows   [  B_q  |   0   |   0   ]
+                           k rows   [   0   |  B_k  |   0   ]
+                           v rows   [   0   |   0   |  B_v  ]
+
+Why this layout: every part has its own A (q, k and v adapt independently), and stacking them
+along the rank makes a fused layer's delta, all parts at once, one shrink and one expand matmul
+per adapter, as for an unfused layer; the zeros cost P x the expand's FLOPs, small next to the
+base matmul at ranks <= 64. The scaling is folded into B when an adapter is loaded.
+
+Tensor parallelism follows the base layer's own sharding (its `_output_shard` / `_input_shard`):
+a column-parallel layer keeps A whole and holds its rows of B; a row-parallel layer holds its
+columns of A and B whole, so its delta is a partial sum that the layer's all_reduce adds up
+with the base output's.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.worker.forward_context import get_forward_context
+
+
+class LoRASlots:
+    def __init__(self, layer, num_parts: int, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.layer, self.num_parts, self.max_rank = layer, num_parts, max_rank
+        in_local = layer.input_size
+        out_local = layer.output_size
+        self.lora_a = torch.zeros(max_loras, num_parts * max_rank, in_local, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, out_local, num_parts * max_rank, dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, parts: list[tuple[object, torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Slot `slot` := an adapter's parts [(shard_id, A [r, in_full], B [out_part_full, r])];
+        parts the adapter does not adapt stay zero (no delta)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        _, in_size, in_offset = self.layer._input_shard()
+        for shard_id, a, b in parts:
+            p = self.layer._shard_index(shard_id)
+            r = a.shape[0]
+            cols = slice(p * self.max_rank, p * self.max_rank + r)
+            self.lora_a[slot, cols].copy_(a.narrow(1, in_offset, in_size))
+            ours, size, theirs = self.layer._output_shard(shard_id)
+            self.lora_b[slot, ours:ours + size, cols].copy_(b.narrow(0, theirs, size) * scaling)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [n, out_local] += scaling * (x [n, in_local] @ A.T) @ B.T for the rows of each adapter
+        in this step (forward context's `lora_mapping`); base-model rows are left alone."""
+        mapping = get_forward_context().lora_mapping
+        if mapping is None:
+            return
+        for slot, rows in zip(mapping.slots, mapping.row_indices):
+            if rows is None:  # every row of the step runs this adapter: no gather, no scatter
+                y += (x @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T)
