@@ -110,3 +110,12 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
         warnings.warn(f"CPU kernel {name!r} unavailable, using the torch path instead: {exc}",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+def bind_signatures(lib: ctypes.CDLL | None, signatures: dict) -> ctypes.CDLL | None:
+    """`lib` with each function's ctypes types set from {name: (argtypes, restype)}; None stays None."""
+    if lib is not None:
+        for name, (argtypes, restype) in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+    return lib

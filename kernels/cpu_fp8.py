@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_kernel_library
+from kernels.cpu_build import bind_signatures, load_kernel_library
 
 _LIB_NAME = "cpu_fp8"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -31,12 +31,7 @@ W_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded library with its signatures set, or None (disabled or unbuildable)."""
-    lib = load_kernel_library(_LIB_NAME)
-    if lib is not None:
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return bind_signatures(load_kernel_library(_LIB_NAME), _SIGNATURES)
 
 
 def available() -> bool:

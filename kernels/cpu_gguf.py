@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_kernel_library
+from kernels.cpu_build import bind_signatures, load_kernel_library
 from kernels.torch_gguf import check_weight, dequantize, gguf_linear_ref
 
 _LIB_NAME = "cpu_gguf"
@@ -26,12 +26,7 @@ _ERR_TYPE, _ERR_NOMEM = 1, 2  # cpu_gguf.c's return codes
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded library with its signatures set, or None (disabled or unbuildable)."""
-    lib = load_kernel_library(_LIB_NAME)
-    if lib is not None:
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return bind_signatures(load_kernel_library(_LIB_NAME), _SIGNATURES)
 
 
 def available() -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import load_kernel_library
+from kernels.cpu_build import bind_signatures, load_kernel_library
 
 _LIB_NAME = "cpu_int4"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -45,12 +45,7 @@ BIAS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded library with its signatures set, or None (disabled or unbuildable)."""
-    lib = load_kernel_library(_LIB_NAME)
-    if lib is not None:
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return bind_signatures(load_kernel_library(_LIB_NAME), _SIGNATURES)
 
 
 def available() -> bool:

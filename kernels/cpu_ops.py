@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_kernel_library
+from kernels.cpu_build import bind_signatures, load_kernel_library
 
 _LIB_NAME = "cpu_ops"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -27,12 +27,7 @@ _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_ops.c
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded library with its signatures set, or None (disabled or unbuildable)."""
-    lib = load_kernel_library(_LIB_NAME)
-    if lib is not None:
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return bind_signatures(load_kernel_library(_LIB_NAME), _SIGNATURES)
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
