@@ -10,14 +10,28 @@ from serve_app.http.messages import EngineRequest, StreamItem
 
 
 def test_interleaves_in_arrival_order():
-    async def s(name, delays):
-        for d in delays:
-            await asyncio.sleep(d)
-            yield name
+    """Items come out in the order they were produced, whichever stream made them. The order is
+    forced by events (each item is produced only after the merged output took the one before), so
+    a loaded box cannot reorder it as sleep delays could."""
+    plan = ["a", "b", "b", "a"]
+    turn = [asyncio.Event() for _ in plan]
+
+    async def s(name):
+        for i, who in enumerate(plan):
+            if who == name:
+                await turn[i].wait()
+                yield name
 
     async def run():
-        return [pair async for pair in merge_streams([s("a", [0.0, 0.03]), s("b", [0.01, 0.01])])]
-    out = asyncio.run(run())
+        out = []
+        turn[0].set()
+        async for pair in merge_streams([s("a"), s("b")]):
+            out.append(pair)
+            if len(out) < len(plan):
+                turn[len(out)].set()
+        return out
+    # A merge that drained one stream before the other would wait forever for its turn.
+    out = asyncio.run(asyncio.wait_for(run(), timeout=30))
     assert out == [(0, "a"), (1, "b"), (1, "b"), (0, "a")]
 
 
