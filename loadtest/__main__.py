@@ -4,6 +4,7 @@
         --num-prompts 64 --input-len 256 --output-len 128 --out bench_out/online
     python -m loadtest ... --request-rate 1,2,4,8          # open loop: Poisson arrivals, req/s per level
     python -m loadtest compare ours/results.json vllm/results.json --out bench_out/compare
+    python -m loadtest --workload multiturn --model models/tiny-llama   # routers on chats: loadtest/multiturn.py
 
 Per concurrency level: TTFT, ITL, TPOT and end-to-end latency (p50/p90/p99),
 request and output-token throughput, errors. Writes DIR/results.json and two
@@ -98,13 +99,26 @@ def redact(argv: list[str]) -> list[str]:
     return out
 
 
+def split_workload(argv: list[str]) -> tuple[str, list[str]]:
+    """--workload random (the sweep below, the default) or multiturn (loadtest/multiturn.py), and the rest."""
+    pre = argparse.ArgumentParser(prog="python -m loadtest", add_help=False)
+    pre.add_argument("--workload", choices=["random", "multiturn"], default="random")
+    known, rest = pre.parse_known_args(argv)
+    return known.workload, rest
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compare"]:
         from loadtest.compare import main as compare
 
         return {"plots": [p.name for p in compare(argv[1:])]}
-    cfg = parse_args(argv)
+    workload, rest = split_workload(argv)
+    if workload == "multiturn":
+        from loadtest.multiturn import main as multiturn
+
+        return multiturn(rest, ["python", "-m", "loadtest", *redact(argv)])
+    cfg = parse_args(rest)
     results = base_metadata(["python", "-m", "loadtest", *redact(argv)])
     try:
         results.update(asyncio.run(run_sweep(cfg)))

@@ -29,6 +29,9 @@ class RequestRecord:
     e2e: float | None = None                          # until the stream ended
     output_tokens: int = 0                            # usage.completion_tokens, else non-empty chunks
     error: str | None = None
+    prompt_tokens: int | None = None                  # usage.prompt_tokens, when the server sends usage
+    cached_tokens: int | None = None                  # of those, served from a prefix cache
+    text: str = ""                                    # the generated text (choice 0)
 
     @property
     def tpot(self) -> float | None:
@@ -50,12 +53,16 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return base + ENDPOINT_PATHS[endpoint]
 
 
-def build_payload(model: str, prompt: str | list[int], max_tokens: int, endpoint: str) -> dict:
+def build_payload(model: str, prompt: str | list[int] | list[dict], max_tokens: int, endpoint: str) -> dict:
     """Greedy, exactly `max_tokens` tokens (`ignore_eos` is vLLM's extra; others ignore it),
-    with the usage chunk so the token count is the server's, not a chunk count."""
+    with the usage chunk so the token count is the server's, not a chunk count. For chat the
+    prompt is the user's text, or the whole list of messages."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     if endpoint == "chat":
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            body["messages"] = prompt
+            return body
         if not isinstance(prompt, str):
             raise ValueError("token-id prompts need the completions endpoint")
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -76,6 +83,7 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, start: f
                        record: RequestRecord) -> None:
     last_token_at = None
     num_text_chunks = 0
+    texts = []
     num_events = 0
     async for raw in response.content:  # one line at a time, b"\n" included
         now = time.perf_counter()
@@ -92,7 +100,10 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, start: f
             raise RuntimeError(f"server error mid-stream: {chunk.error}")
         if chunk.completion_tokens is not None:
             record.output_tokens = chunk.completion_tokens
+        if chunk.prompt_tokens is not None:
+            record.prompt_tokens, record.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
         if chunk.text:
+            texts.append(chunk.text)
             num_text_chunks += 1
             if last_token_at is None:
                 record.ttft = now - start
@@ -100,6 +111,7 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, start: f
                 record.itls.append(now - last_token_at)
             last_token_at = now
     record.e2e = time.perf_counter() - start
+    record.text = "".join(texts)
     if record.output_tokens == 0:
         record.output_tokens = num_text_chunks
     if record.ttft is None:

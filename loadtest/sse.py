@@ -19,6 +19,8 @@ class StreamChunk:
     text: str = ""                       # generated text in this chunk ("" for role/usage/finish chunks)
     finish_reason: str | None = None
     completion_tokens: int | None = None  # from the usage chunk
+    prompt_tokens: int | None = None      # from the usage chunk
+    cached_tokens: int | None = None      # the usage's prompt_tokens_details.cached_tokens (prefix-cache hits)
     error: str | None = None             # an error object sent mid-stream
 
 
@@ -43,8 +45,13 @@ def parse_chunk(payload: str, endpoint: str) -> StreamChunk:
         return StreamChunk(error=str(err.get("message", err)) if isinstance(err, dict) else str(err))
     chunk = StreamChunk()
     usage = obj.get("usage")
-    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-        chunk.completion_tokens = int(usage["completion_tokens"])
+    if isinstance(usage, dict):
+        if usage.get("completion_tokens") is not None:
+            chunk.completion_tokens = int(usage["completion_tokens"])
+        if usage.get("prompt_tokens") is not None:
+            chunk.prompt_tokens = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}  # absent: nothing came from a cache
+            chunk.cached_tokens = int(details.get("cached_tokens") or 0)
     choices = obj.get("choices") or []
     if choices:
         choice = choices[0]

@@ -105,3 +105,27 @@ def make_token_id_prompts(num_prompts: int, input_len: int, seed: int,
         raise ValueError(f"num_prompts={num_prompts} and input_len={input_len} must be >= 1")
     rng = random.Random(seed)
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One chat of a multi-turn workload: a user message per turn, the answers come from the server."""
+
+    system: str             # shared by every conversation of the workload
+    user_turns: list[str]   # sent in order, each after the answer to the one before
+
+
+def make_conversations(num_conversations: int, num_turns: int, system_len: int, user_len: int,
+                       seed: int) -> list[Conversation]:
+    """Conversations sharing one system prompt of `system_len` random words, each user message
+    `user_len` words (its first word numbers the conversation and turn: no two messages alike)."""
+    sizes = {"num_conversations": num_conversations, "num_turns": num_turns, "system_len": system_len,
+             "user_len": user_len}
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(WORDS) for _ in range(system_len))
+    return [Conversation(system, [" ".join([f"c{c}t{t}"] + [rng.choice(WORDS) for _ in range(user_len - 1)])
+                                  for t in range(num_turns)])
+            for c in range(num_conversations)]

@@ -23,10 +23,12 @@ from serve_app.http.ingress import Ingress
 from serve_app.replica.client import LocalEngineFactory
 from serve_app.replica.engine_deployment import EngineDeployment
 from serve_app.replica.placement import check_gpus, engine_placement, resolve_device
+from serve_app.replica.prefix_policy import DEFAULT_MAX_TRACKED_BLOCKS
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
 
 BATCH_AFFINITY_ROUTER = "serve_app.replica.routing.BatchAffinityRouter"
+PREFIX_AFFINITY_ROUTER = "serve_app.replica.prefix_routing.PrefixAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -40,7 +42,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)
     guardrails = Guardrails.options(
         num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0}, **router_options(a)).bind(engine, a.guardrails)
+        ray_actor_options={"num_cpus": 0}, **router_options(a, engine=False)).bind(engine, a.guardrails)
     return Ingress.options(**ingress_options(a)).bind(engine, guardrails, a)
 
 
@@ -76,10 +78,20 @@ def colocated_options(a: AppArgs, device: str) -> dict[str, Any]:
     return options
 
 
-def router_options(a: AppArgs) -> dict[str, Any]:
-    """How callers pick a replica of a deployment (the router runs in the caller's process)."""
-    if a.request_router == "batch_affinity":
-        return {"request_router_config": {"request_router_class": BATCH_AFFINITY_ROUTER}}
+def router_options(a: AppArgs, engine: bool = True) -> dict[str, Any]:
+    """How callers pick a replica of a deployment (the router runs in the caller's process). Prefix
+    affinity is for the engine replicas, whose KV caches it follows; Guardrails replicas hold no
+    cache, and keep one replica per micro-batch."""
+    metrics = {"metrics_prefix": a.metrics_prefix, "model_name": a.model_name}
+    if a.request_router == "prefix_affinity" and engine:
+        kwargs = {"block_size": a.block_size, "prefix_match_threshold": a.prefix_match_threshold,
+                  "prefix_imbalance_bound": a.prefix_imbalance_bound,
+                  "max_tracked_blocks": a.num_kv_blocks or DEFAULT_MAX_TRACKED_BLOCKS, **metrics}
+        return {"request_router_config": {"request_router_class": PREFIX_AFFINITY_ROUTER,
+                                           "request_router_kwargs": kwargs}}
+    if a.request_router in ("batch_affinity", "prefix_affinity"):
+        return {"request_router_config": {"request_router_class": BATCH_AFFINITY_ROUTER,
+                                          "request_router_kwargs": metrics}}
     return {}
 
 

@@ -158,8 +158,15 @@ class AppArgs(_DeclaredElsewhere):
     # docs/serving.md, "One deployment instead of three".
     colocate_ingress: bool = False
     # "batch_affinity": one engine replica per Ingress micro-batch (serve_app.replica.routing);
-    # "power_of_two": Serve's default, a choice per request.
-    request_router: Literal["batch_affinity", "power_of_two"] = "batch_affinity"
+    # "prefix_affinity": the replica most likely to hold the prompt's prefix in its KV cache, or the
+    # session's (serve_app.replica.prefix_routing, docs/fleet.md); "power_of_two": Serve's default.
+    request_router: Literal["batch_affinity", "prefix_affinity", "power_of_two"] = "batch_affinity"
+    # prefix_affinity: the least loaded replica instead, when the best prefix match covers less than
+    # this fraction of the prompt's full blocks (Ray's PrefixCacheAffinityRouter: 0.1) ...
+    prefix_match_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    # ... or when the replica it points to has more ongoing requests than the least loaded by more
+    # than this (SGLang's cache-aware router: 32).
+    prefix_imbalance_bound: int = Field(32, ge=0)
 
     # -- replica lifecycle --
     health_check_period_s: float = Field(10.0, gt=0.0)
@@ -194,6 +201,12 @@ class AppArgs(_DeclaredElsewhere):
         if self.colocate_ingress and self.ingress_replicas != 1:
             raise ValueError(f"ingress_replicas={self.ingress_replicas} cannot be set with colocate_ingress: "
                              "the Ingress runs in every engine replica (min_replicas/max_replicas)")
+        if self.request_router == "prefix_affinity" and not self.enable_prefix_caching:
+            raise ValueError("request_router='prefix_affinity' needs enable_prefix_caching=True: without a "
+                             "prefix cache no replica holds a prefix")
+        if self.request_router == "prefix_affinity" and self.colocate_ingress:
+            raise ValueError("request_router='prefix_affinity' cannot be set with colocate_ingress: every Ingress "
+                             "replica runs its own engine, so no router picks one (set colocate_ingress=false)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
         if self.tool_call_parser is not None:

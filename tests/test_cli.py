@@ -80,6 +80,7 @@ def test_bad_json_names_the_flag():
     (True, {"colocate_ingress": "true"}, "cuda", "true"),       # the user decides
     (True, {"device": "cpu"}, "cpu", True),
     (False, {"ingress_replicas": "2"}, "cpu", False),           # several Ingress replicas: not colocated
+    (False, {"request_router": "prefix_affinity"}, "cpu", False),  # a router between Ingress and engines
 ])
 def test_shape_follows_the_hardware_unless_told(monkeypatch, gpu, given, device, colocated):
     from serve_app.cli import serve

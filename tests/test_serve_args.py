@@ -7,7 +7,8 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import build_app, colocated_options, deployment_names, engine_options, ingress_options
+from serve_app.app import (BATCH_AFFINITY_ROUTER, PREFIX_AFFINITY_ROUTER, build_app, colocated_options,
+                           deployment_names, engine_options, ingress_options, router_options)
 from serve_app.args import parse_app_args
 from serve_app.guard.policy import GuardrailPolicy
 from serve_app.replica import placement
@@ -288,3 +289,21 @@ def test_stream_interval_grows_with_the_streams_beyond_the_message_budget():
         assert default.interval_s(100, device) == pytest.approx(100 / budget)
     with pytest.raises(ValidationError):
         StreamingConfig(max_stream_messages_per_s=-1)
+
+
+def test_the_app_puts_the_prefix_router_in_front_of_the_engine_only():
+    with pytest.raises(ValueError, match="prefix_match_threshold"):
+        parse_app_args({"model": "m", "prefix_match_threshold": 2})
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        parse_app_args({"model": "m", "request_router": "prefix_affinity", "enable_prefix_caching": False})
+    with pytest.raises(ValueError, match="cannot be set with colocate_ingress"):
+        parse_app_args({"model": "m", "request_router": "prefix_affinity", "colocate_ingress": True})
+    a = parse_app_args({"model": "m", "request_router": "prefix_affinity", "block_size": 32, "num_kv_blocks": 900,
+                        "prefix_match_threshold": 0.3, "prefix_imbalance_bound": 8})
+    engine = router_options(a)["request_router_config"]
+    assert engine["request_router_class"] == PREFIX_AFFINITY_ROUTER
+    assert engine["request_router_kwargs"] == {"block_size": 32, "prefix_match_threshold": 0.3,
+                                               "prefix_imbalance_bound": 8, "max_tracked_blocks": 900,
+                                               "metrics_prefix": "rayllm", "model_name": "m"}
+    assert router_options(a, engine=False)["request_router_config"]["request_router_class"] == BATCH_AFFINITY_ROUTER
+    assert router_options(parse_app_args({"model": "m", "request_router": "power_of_two"})) == {}

@@ -51,6 +51,7 @@ class FakeEngine:
 
     def __init__(self):
         self.streams: list[FakeStream] = []
+        self.requests = []  # the EngineRequests sent, in order
         self.finish = False  # whether a stream ends after its first token, or goes on
         self.generate = self  # handle.generate.options(stream=True).remote(request)
         self.model_info = SimpleNamespace(remote=self._model_info)
@@ -59,6 +60,7 @@ class FakeEngine:
         return self
 
     def remote(self, request):
+        self.requests.append(request)
         items = [StreamItem(deltas=[Delta(0, "Hi", [5], finish_reason="length" if self.finish else None)],
                             num_prompt_tokens=3, finished=self.finish)]
         self.streams.append(FakeStream(items))
@@ -87,14 +89,15 @@ def start_ingress(monkeypatch, tiny_llama):
     gc.collect()  # here, under this module's warning filter, not in some later test
 
 
-def _scope(body: bytes, spec_version: str) -> dict:
+def _scope(body: bytes, spec_version: str, headers: tuple = ()) -> dict:
     return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
             "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                        *headers]}
 
 
-async def _post(ingress, payload: dict, client_gone: str | None = None) -> list[dict]:
+async def _post(ingress, payload: dict, client_gone: str | None = None, headers: tuple = ()) -> list[dict]:
     """POST /v1/completions; the ASGI messages sent back. client_gone: when the client disconnects."""
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, **payload}).encode()
     sent: list[dict] = []
@@ -122,7 +125,7 @@ async def _post(ingress, payload: dict, client_gone: str | None = None) -> list[
     # ASGI spec 2.4 servers report a gone client by failing the send; older ones by http.disconnect.
     spec = "2.4" if client_gone == "send_fails" else "2.0"
     try:
-        await asyncio.wait_for(ingress(_scope(body, spec), receive, send), timeout=30)
+        await asyncio.wait_for(ingress(_scope(body, spec, headers), receive, send), timeout=30)
     except ClientDisconnect:  # how Starlette reports the failed send
         assert client_gone == "send_fails"
     return sent
@@ -164,6 +167,20 @@ def test_stream_read_to_the_end_releases_its_slot_once(start_ingress):
     assert not engine.streams[0].cancelled  # it finished on its own
     assert ingress._num_pending == 0  # not -1: released exactly once
     assert (_count(ingress, 200), _count(ingress, 499)) == (1, 0)
+
+
+def test_the_session_reaches_the_engine_request_header_first(start_ingress):
+    """What the prefix router keys a session by: X-Session-ID, else prompt_cache_key, else user."""
+    async def run():
+        engine = FakeEngine()
+        engine.finish = True
+        ingress = await start_ingress(engine)
+        keyed = {"user": "u1", "prompt_cache_key": "k1"}
+        for payload, headers in ((keyed, ((b"x-session-id", b"s1"),)), (keyed, ()), ({"user": "u1"}, ()), ({}, ())):
+            assert (await _post(ingress, payload, headers=headers))[0]["status"] == 200
+        return [r.session for r in engine.requests]
+
+    assert asyncio.run(run()) == ["s1", "k1", "u1", None]
 
 
 def test_a_separate_ingress_refuses_the_engines_streaming_knobs(start_ingress):

@@ -52,6 +52,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [  # (title, unit, [(expr
     ("Prefix-cache hit rate (tokens)", "percentunit", [
         (f"sum(rate({q('prefix_cache_hits_total', True)})) / sum(rate({q('prefix_cache_queries_total', True)}))",
          "hit rate")]),
+    ("Prefix-cache hit rate per engine replica (tokens)", "percentunit", [
+        (f"sum by (replica) (rate({q('prefix_cache_hits_total', True)})) / "
+         f"sum by (replica) (rate({q('prefix_cache_queries_total', True)}))", "{{replica}}")]),
+    ("Engine routing/s: affinity (batch, session, prefix) vs fallback, by reason", "reqps", [
+        (f'sum by (decision, reason) (rate({P}router_requests_total{{model_name=~"$model",'
+         f'target="EngineDeployment"}}[{WINDOW}]))', "{{decision}} {{reason}}")]),
     ("Preemptions/s", "short", [(f"sum(rate({q('num_preemptions_total', True)}))", "preemptions")]),
     ("Replicas: healthy, and the autoscaler's target", "short", [
         ('sum by (deployment) (ray_serve_deployment_replica_healthy{application=~"$app"})', "{{deployment}}"),

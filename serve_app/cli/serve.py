@@ -67,8 +67,10 @@ def choose_shape(args: dict[str, Any]) -> dict[str, Any]:
         device = "cuda" if has_gpu() else "cpu"
     check_device(device)
     args = {**args, "device": device}
-    # Colocated has one Ingress per engine replica: not with --ingress-replicas.
-    args.setdefault("colocate_ingress", device == "cpu" and "ingress_replicas" not in args)
+    # Colocated has one Ingress per engine replica: not with --ingress-replicas, nor with a router
+    # between Ingress and engines to pick (prefix_affinity: docs/fleet.md).
+    args.setdefault("colocate_ingress", device == "cpu" and "ingress_replicas" not in args
+                    and args.get("request_router") != "prefix_affinity")
     return args
 
 

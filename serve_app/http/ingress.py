@@ -232,6 +232,8 @@ class Ingress:
             raise from_validation_error(e) from None
         if req.model != self.args.model_name:
             raise model_not_found(req.model)
+        # The prefix router sends a session's requests to one engine replica (docs/fleet.md).
+        request.state.session = request.headers.get("x-session-id") or req.prompt_cache_key or req.user
         return req
 
     @contextlib.contextmanager
@@ -298,7 +300,8 @@ class Ingress:
         json_mode = output is not None
         engine = self.json_engine if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
-                                  prepared.batch_id, stream=stream, output=output)
+                                  prepared.batch_id, stream=stream, output=output,
+                                  session=getattr(request.state, "session", None))
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([engine.stream(r) for r in requests])
         info = RequestInfo(request.method, request.url.path, request_id,
