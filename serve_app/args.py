@@ -16,11 +16,12 @@ import re
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from engine.config import DEVICES, EngineConfig, ModelConfig
 from engine.entrypoints.tool_parsers import get_tool_parser
 from serve_app.guard.policy import GuardrailPolicy
+from serve_app.lora.adapters import check_lora_modules, parse_lora_modules
 
 STREAM_INTERVAL_MS = 20.0
 MAX_STREAM_INTERVAL_MS = 1000.0
@@ -189,6 +190,41 @@ class AppArgs(_DeclaredElsewhere):
     # "required" and a named tool need no parser (their calls are grammar-constrained).
     tool_call_parser: str | None = None
 
+    # -- LoRA adapters (docs/lora.md, "Serving"); enable_lora and the max_*lora* knobs are the engine's --
+    # Adapters served as models of these names: name -> PEFT adapter directory, or vLLM's forms
+    # (`--lora-modules sql=/a/sql chat=/a/chat`, or JSON objects with name and path). Implies enable_lora.
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+    # behind api_key; needs lora_adapter_dir and a single Ingress replica. Implies enable_lora.
+    allow_runtime_lora_updating: bool = False
+    # The directory runtime loads may read adapters from (symlinks and .. resolved; relative lora_paths
+    # are taken from it).
+    lora_adapter_dir: str | None = None
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> dict[str, str]:
+        return parse_lora_modules(value)
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> "AppArgs":
+        wants_lora = bool(self.lora_modules) or self.allow_runtime_lora_updating
+        if wants_lora and not self.enable_lora:
+            if "enable_lora" in self.model_fields_set:
+                raise ValueError("enable_lora=False contradicts lora_modules / allow_runtime_lora_updating")
+            self.enable_lora = True
+        if self.model_name in self.lora_modules:
+            raise ValueError(f"lora_modules: adapter {self.model_name!r} has the base model's name")
+        if self.allow_runtime_lora_updating:
+            if not self.lora_adapter_dir:
+                raise ValueError("allow_runtime_lora_updating needs lora_adapter_dir: the directory adapters "
+                                 "may be loaded from")
+            # The registry of runtime loads lives in the Ingress (serve_app/lora/registry.py): one replica.
+            if self.ingress_replicas != 1 or (self.colocate_ingress and self.max_replicas != 1):
+                raise ValueError("allow_runtime_lora_updating needs a single Ingress replica (ingress_replicas=1; "
+                                 "with colocate_ingress, max_replicas=1): each Ingress holds its own registry")
+        return self
+
     @model_validator(mode="after")
     def _check_relations(self) -> "AppArgs":
         if self.min_replicas > self.max_replicas:
@@ -273,23 +309,32 @@ def check_model(a: AppArgs) -> None:
     from engine.loader.model_path import resolve_model_path  # huggingface_hub: only where the app is built
 
     try:
-        ModelConfig.from_pretrained(resolve_model_path(a.model))
+        model_config = ModelConfig.from_pretrained(resolve_model_path(a.model))
         if a.tokenizer:
             resolve_model_path(a.tokenizer)
     except ValueError as e:
         raise ValueError(f"invalid application args: model={a.model!r}: {e}") from None
+    try:
+        check_lora_modules(a.lora_modules, a.max_lora_rank, model_config)
+    except ValueError as e:
+        raise ValueError(f"invalid application args: {e}") from None
+    if a.lora_adapter_dir is not None and not os.path.isdir(a.lora_adapter_dir):
+        raise ValueError(f"invalid application args: lora_adapter_dir={a.lora_adapter_dir!r} is not a directory")
 
 
 def _absolute_model_paths(a: AppArgs) -> AppArgs:
     """`models/tiny-llama` means relative to where `serve run` was started, not to a worker's cwd."""
     updates = {}
-    for name in ("model", "tokenizer"):
+    for name in ("model", "tokenizer", "lora_adapter_dir"):
         value = getattr(a, name)
         if value and not os.path.isabs(value) and os.path.isdir(value):
             updates[name] = os.path.abspath(value)
+    modules = {name: os.path.abspath(path) if os.path.isdir(path) else path for name, path in a.lora_modules.items()}
+    if modules != a.lora_modules:
+        updates["lora_modules"] = modules
     if not updates:
         return a
-    if a.served_model_name is None:
+    if a.served_model_name is None and "model" in updates:
         updates["served_model_name"] = a.model_name
     return a.model_copy(update=updates)
 
@@ -303,7 +348,7 @@ def describe_validation_error(e: ValidationError) -> str:
         elif err["type"] == "missing":
             parts.append(f"missing required arg {loc!r}")
         elif loc:
-            parts.append(f"{loc}={err.get('input')!r}: {err['msg']}")
+            parts.append(f"{loc}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
         else:
             parts.append(err["msg"].removeprefix("Value error, "))
     return "; ".join(parts)

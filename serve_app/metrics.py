@@ -119,10 +119,15 @@ class EngineMetrics:
             _start_at_zero(counter)
         for reason in ("stop", "length", "abort"):
             _start_at_zero(self.request_success, {"finished_reason": reason})
+        self.lora_loads = s.make("counter", "lora_adapter_loads", "LoRA adapters loaded into this replica, by "
+                                 "lora_name: once while it stays among the replica's max_cpu_loras.", ("lora_name",))
         lengths = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = h("request_prompt_tokens", "Prompt length of finished requests.", lengths)
         self.request_generation_tokens = h("request_generation_tokens", "Generated tokens of finished requests.",
                                            lengths)
+
+    def count_lora_load(self, lora_name: str) -> None:
+        self.lora_loads.inc(1, tags={"lora_name": lora_name})
 
     def record(self, stats: dict[str, Any], iterations: list[IterationStats]) -> None:
         for key, gauge in self.gauges.items():

@@ -41,6 +41,27 @@ def tiny_qwen3(tmp_path_factory):
     return _build(tmp_path_factory, "qwen3")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_loras(tiny_llama, tmp_path_factory):
+    """Four random PEFT adapters of tiny_llama in one directory (`root`, as a lora_adapter_dir), their
+    paths by name (`paths`) and each merged into the base model (`merged`: HF's oracle for it).
+    Built with tests/test_lora.py's helpers (ranks 8 and 4, rsLoRA, some parts of the fused layers)."""
+    from types import SimpleNamespace
+
+    from tests.test_lora import ALL_TARGETS, _merge, _write_adapter
+
+    specs = {"a": dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS),
+             "b": dict(r=4, lora_alpha=8, use_rslora=True,
+                       target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]),
+             "c": dict(r=8, lora_alpha=8, target_modules=["k_proj", "o_proj", "up_proj"]),
+             "d": dict(r=4, lora_alpha=4, target_modules=ALL_TARGETS)}
+    root, merged_root = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("loras-merged")
+    paths = {name: _write_adapter(tiny_llama, root / name, seed=10 + i, **kw)
+             for i, (name, kw) in enumerate(specs.items())}
+    merged = {name: _merge(tiny_llama, path, merged_root / name) for name, path in paths.items()}
+    return SimpleNamespace(root=str(root), paths=paths, merged=merged)
+
+
 # The tools-aware checkpoint: Qwen3 with a Hermes-style template (tests/fixtures) and Qwen's tool-call
 # and thinking markers as single tokens, as the tool-call and reasoning parsers expect them.
 TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen_tools_chat_template.jinja")

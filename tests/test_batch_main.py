@@ -33,6 +33,13 @@ def test_arguments_become_the_config(tiny_llama, tmp_path):
     assert config.prompt_column == "prompt" and config.batch_size == 256
 
 
+def test_lora_flags_become_the_config(tiny_llama):
+    config = _config(parse_args(["--model", tiny_llama, "--input", "x.jsonl", "--output", "o", "--lora", "sql=/a/sql",
+                                 "--lora", "chat=/a/chat", "--lora-column", "adapter", "--max-loras", "2"]))
+    assert (config.loras, config.lora_column) == ({"sql": "/a/sql", "chat": "/a/chat"}, "adapter")
+    assert config.engine_kwargs == {"max_loras": 2} and config.llm_kwargs()["enable_lora"]
+
+
 def test_concurrent_batches_keep_the_engine_full_unless_set(tiny_llama, capsys):
     base = ["--model", tiny_llama, "--input", "x.jsonl", "--output", "o"]
     # the engine's running batch full, plus one batch queued behind it

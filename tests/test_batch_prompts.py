@@ -5,7 +5,9 @@ import re
 import pytest
 
 from serve_app.batch.config import BatchConfig, row_seed
-from serve_app.batch.prompts import build_prompts, check_columns, load_tokenizer, render_prompt, tokenize_prompts
+from engine import LoRARequest
+from serve_app.batch.prompts import (build_prompts, check_columns, load_tokenizer, render_prompt, row_lora,
+                                     tokenize_prompts)
 
 
 def test_template_renders_the_rows_columns(tiny_llama):
@@ -70,6 +72,41 @@ def test_config_refuses_bad_values(tiny_llama):
         BatchConfig(model=tiny_llama, temperature=-1)
     with pytest.raises(ValueError, match="json_schema needs json_schema.schema"):
         BatchConfig(model=tiny_llama, response_format={"type": "json_schema"})
+
+
+def test_rows_name_their_adapter_by_the_lora_column(tiny_llama):
+    config = BatchConfig(model=tiny_llama, loras=["sql=/a/sql", "chat=/a/chat"])
+    assert config.lora_column == "lora" and config.llm_kwargs()["enable_lora"]
+    assert row_lora(config, {"id": 0, "lora": "chat"}) == LoRARequest("chat", 2, "/a/chat")  # ids in --lora order
+    assert row_lora(config, {"id": 1, "lora": None}) is None and row_lora(config, {"id": 2, "lora": ""}) is None
+    with pytest.raises(ValueError, match=r"row id=3: column 'lora' names adapter 'nope', which is not among "
+                                         r"--lora \['chat', 'sql'\]"):
+        row_lora(config, {"id": 3, "lora": "nope"})
+    with pytest.raises(ValueError, match=r"has no column\(s\) \['adapter'\]"):  # checked before any row
+        check_columns(BatchConfig(model=tiny_llama, loras={"sql": "/a"}, lora_column="adapter"), ["prompt"], "in")
+    with pytest.raises(ValueError, match="lora_column='lora' names adapters, but no adapter is given"):
+        BatchConfig(model=tiny_llama, lora_column="lora")
+    with pytest.raises(ValueError, match="--lora entry 'sql' is invalid: expected name=path"):
+        BatchConfig(model=tiny_llama, loras=["sql"])
+    assert not BatchConfig(model=tiny_llama).llm_kwargs().get("enable_lora")
+
+
+def test_adapters_and_rows_naming_them_are_checked_before_the_job(tiny_llama, tmp_path):
+    """What run_job checks up front (serve_app/batch/inputs.py): every adapter against the model, and
+    each row's adapter, reported as any bad row is (its id and why)."""
+    import pyarrow as pa
+
+    from serve_app.batch.inputs import _check_batch, _check_up_front
+    from tests.test_serve_lora_adapters import write_adapter_files
+
+    write_adapter_files(tmp_path / "big", {"r": 64})
+    bad = BatchConfig(model=tiny_llama, loras={"big": str(tmp_path / "big")})
+    with pytest.raises(ValueError, match="--lora: adapter 'big': .* r=64 exceeds max_lora_rank=16"):
+        _check_up_front(bad, ["prompt", "lora"], None, "in.jsonl")
+    config = BatchConfig(model=tiny_llama, loras={"sql": "/a/sql"})
+    rows = pa.Table.from_pylist([{"id": 0, "prompt": "x", "lora": "sql"}, {"id": 1, "prompt": "y", "lora": "chat"}])
+    assert _check_batch(rows, config, None) == [
+        None, "row id=1: column 'lora' names adapter 'chat', which is not among --lora ['sql']"]
 
 
 def test_response_format_forms(tiny_llama):

@@ -60,6 +60,29 @@ def test_concurrent_batches_in_one_engine_equal_llm_generate_row_for_row(tiny_ll
         assert [r["num_generated_tokens"] for r in got] == [len(e.outputs[0].token_ids) for e in expected]
 
 
+def test_each_row_runs_the_adapter_its_lora_column_names(tiny_llama, tiny_llama_loras):
+    """`--lora a=... --lora b=...` and a per-row column (null or empty: the base model): each row's text
+    is HF's greedy on the base model with its adapter merged, rows of both adapters in one engine."""
+    from transformers import AutoTokenizer
+
+    from tests.hf_reference import hf_greedy
+    from tests.test_serve_lora import expected_text
+
+    names = ["a", None, "b", "a", "", "b"]
+    prompts = [f"row {i} is about" + " more" * (i % 3) for i in range(len(names))]
+    config = BatchConfig(model=tiny_llama, max_tokens=6, loras=[f"{n}={tiny_llama_loras.paths[n]}" for n in "ab"],
+                         lora_column="adapter", engine_kwargs={"max_loras": 2})
+    table = pa.Table.from_pylist([{"id": i, "prompt": p, "adapter": n} for i, (p, n) in enumerate(zip(prompts, names))])
+    got = [r for batch in _generate_all(EngineStage(config), [preprocess_batch(table, config, None)]) for r in batch]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    for row, prompt, name in zip(got, prompts, names):
+        prompt_ids = tok(prompt)["input_ids"]
+        ids = hf_greedy(tiny_llama_loras.merged[name] if name else tiny_llama, prompt_ids, 6).token_ids
+        if tok.eos_token_id in ids:  # the engine stops there; the oracle's loop does not
+            ids = ids[:ids.index(tok.eos_token_id) + 1]
+        assert (row["text"], row["adapter"]) == (expected_text(tok, prompt_ids, ids), name), row["id"]
+
+
 def test_batches_failing_together_are_retried_on_one_fresh_engine(tiny_llama):
     config = BatchConfig(model=tiny_llama, max_tokens=30, max_batch_retries=1)  # device auto: no thread changes
     counter = _Counter()

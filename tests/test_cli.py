@@ -68,6 +68,14 @@ def test_flags_become_app_args_as_serve_would_validate_them():
     assert (parsed.max_num_seqs, parsed.colocate_ingress, parsed.engine_process) == (4, True, False)
 
 
+def test_lora_modules_flag_takes_vllms_words():
+    ns = build_parser().parse_args(["serve", "m", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/c"}',
+                                    "--max-loras", "2"])
+    args = app_args_from(ns, AppArgs)
+    parsed = AppArgs.model_validate({**args, "model": "m"})
+    assert parsed.lora_modules == {"sql": "/a/sql", "chat": "/a/c"} and parsed.enable_lora and parsed.max_loras == 2
+
+
 def test_bad_json_names_the_flag():
     ns = build_parser().parse_args(["serve", "m", "--guardrails", "{oops"])
     with pytest.raises(ValueError, match="--guardrails: expected JSON"):

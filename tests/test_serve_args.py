@@ -33,6 +33,14 @@ CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
     ({"model": "m", "guardrails": {"max_retries": -1}}, "guardrails: max_retries=-1"),
     ({"model": "m", "guardrails": {"max_retry": 1}}, "guardrails: unknown guardrail setting"),
     ({}, "model"),
+    ({"model": "m", "lora_modules": ["sql"]}, "lora_modules entry 'sql' is invalid: expected name=path"),
+    ({"model": "m", "lora_modules": {"m": "/a/m"}}, "lora_modules: adapter 'm' has the base model's name"),
+    ({"model": "m", "lora_modules": "sql=/a", "enable_lora": "false"}, "enable_lora=False contradicts"),
+    ({"model": "m", "allow_runtime_lora_updating": True}, "needs lora_adapter_dir"),
+    ({"model": "m", "allow_runtime_lora_updating": True, "lora_adapter_dir": "/a", "ingress_replicas": 2},
+     "single Ingress replica"),
+    ({"model": "m", "allow_runtime_lora_updating": True, "lora_adapter_dir": "/a", "colocate_ingress": True,
+      "max_replicas": 2}, "single Ingress replica"),
 ])
 def test_bad_args_fail_naming_them(args, named):
     with pytest.raises(ValueError, match=named):
@@ -44,6 +52,35 @@ def test_cli_strings_are_coerced():  # `serve run serve_app.app:build_app max_ba
                         "enable_prefix_caching": "false", "api_key": "k"})
     assert (a.max_batch_size, a.batch_wait_timeout_s, a.enable_prefix_caching, a.api_key) == (4, 0.01, False, "k")
     assert a.model_name == "m"
+
+
+def test_lora_modules_imply_enable_lora_and_keep_their_order():  # `serve run ... lora_modules="a=/x b=/y"`
+    a = parse_app_args({"model": "m", "lora_modules": "sql=/a/sql chat=/a/chat", "max_loras": "2"})
+    assert list(a.lora_modules.items()) == [("sql", "/a/sql"), ("chat", "/a/chat")]
+    cfg = a.engine_config("cpu")
+    assert (cfg.enable_lora, cfg.max_loras) == (True, 2)
+    assert not parse_app_args({"model": "m"}).engine_config("cpu").enable_lora
+
+
+def test_lora_modules_are_checked_at_build_naming_the_adapter(tiny_llama, tmp_path, monkeypatch):
+    from serve_app.args import resolve_app_args
+    from tests.test_serve_lora_adapters import write_adapter_files
+
+    write_adapter_files(tmp_path / "no-config", None)
+    write_adapter_files(tmp_path / "rank-64", {"r": 64, "target_modules": ["q_proj"]})
+    for path, message in (("missing", "is not a directory"), ("no-config", "adapter_config.json cannot be read"),
+                          ("rank-64", "r=64 exceeds max_lora_rank=16")):
+        with pytest.raises(ValueError) as info:
+            resolve_app_args({"model": tiny_llama, "lora_modules": [f"sql={tmp_path / path}"]})
+        assert "lora_modules: adapter 'sql'" in str(info.value) and message in str(info.value), path
+    with pytest.raises(ValueError, match="lora_adapter_dir='/nope' is not a directory"):
+        resolve_app_args({"model": tiny_llama, "allow_runtime_lora_updating": True, "lora_adapter_dir": "/nope"})
+    monkeypatch.chdir(tmp_path)  # a relative adapter path is the builder's, as the model's is
+    write_adapter_files(tmp_path / "ok", {"r": 8, "target_modules": ["q_proj"]})
+    with pytest.raises(ValueError, match="holds no lora_A / lora_B tensors"):  # checked by the engine's rules
+        resolve_app_args({"model": tiny_llama, "lora_modules": "sql=ok"})
+    a = resolve_app_args({"model": tiny_llama, "lora_modules": "sql=ok", "check_model_at_build": False})
+    assert a.lora_modules == {"sql": str(tmp_path / "ok")}
 
 
 @pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3"])

@@ -37,7 +37,7 @@ class FakeLLM:
         self.shutdowns = 0
         self.stream_intervals = []
 
-    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0):
+    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0, lora_request=None):
         if self.error:
             raise self.error
         for out in self.outputs:
@@ -123,7 +123,7 @@ class AbortableLLM(FakeLLM):
         self.aborted_ids: list[str] = []
         self._aborted = asyncio.Event()
 
-    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0):
+    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0, lora_request=None):
         yield _output("a")
         await self._aborted.wait()
         yield _output("", "abort", True)

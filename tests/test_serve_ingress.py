@@ -12,10 +12,12 @@ import pytest
 from ray import serve
 from starlette.requests import ClientDisconnect
 
+from engine import LoRARequest
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.ingress import Ingress
 from serve_app.http.ingress import app as ingress_app
 from serve_app.http.messages import Delta, StreamItem
+from serve_app.http.preprocess import PrepJob
 from serve_app.metrics import IngressMetrics
 from serve_app.replica.client import LocalEngine
 from tests.fake_metrics import Recorder
@@ -251,3 +253,41 @@ def test_a_colocated_ingress_runs_the_engine_it_is_handed(start_ingress):
     assert answer[0]["status"] == 200 and json.loads(answer[1]["body"])["choices"][0]["text"] == "Hi"
     assert stats["streaming"]["stream_interval_ms"] == 5.0
     assert ingress.batching.max_batch_size == 4  # the refused configs changed nothing of the Ingress's
+
+
+class RoutingEngine(FakeEngine):
+    """A FakeEngine that also keeps the handle options each request was sent with."""
+
+    def __init__(self):
+        super().__init__()
+        self.finish = True
+        self.routing: list[dict] = []
+
+    def options(self, **kwargs):
+        if "stream" not in kwargs:
+            self.routing.append(kwargs)
+        return self
+
+
+def test_a_request_naming_an_adapter_runs_with_it_and_is_routed_by_it(start_ingress):
+    """The adapter's LoRARequest goes with the engine request, and its multiplexed id with the handle
+    call; an unknown model is vLLM's 404. A micro-batch's requests share one engine replica (one batch
+    id), but a replica holding one adapter may not hold another: one decision per adapter (and base)."""
+    adapters = ["sql@1", "chat@2", "sql@1", None, None]
+
+    async def run():
+        engine = RoutingEngine()
+        ingress = await start_ingress(engine, lora_modules={"chat": "/a/chat", "sql": "/a/sql"})
+        answers = [await _post(ingress, {"model": model}) for model in ("sql", MODEL, "nope")]
+        batch = await ingress._prepare_now([PrepJob(max_tokens=4, prompts=["Hello"], adapter=a) for a in adapters])
+        return engine, answers, batch
+
+    engine, (sql, base, nope), batch = asyncio.run(run())
+    assert sql[0]["status"] == 200 and json.loads(sql[1]["body"])["model"] == "sql"
+    assert [r.lora_request for r in engine.requests] == [LoRARequest("sql", 2, "/a/sql"), None]
+    assert engine.routing == [{"multiplexed_model_id": "sql@2"}]  # the base model's request: no adapter
+    assert base[0]["status"] == 200
+    assert nope[0]["status"] == 404 and json.loads(nope[1]["body"])["error"] == {
+        "message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+    ids = [p.batch_id for p in batch]
+    assert None not in ids and ids[0] == ids[2] and ids[3] == ids[4] and len(set(ids)) == 3

@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a JSON file: a JSON Schema, an OpenAI response_format object, or "
                         '{"type": "regex"|"choice"|"grammar", "regex"|"choice"|"grammar": ...} or a '
                         '{"type": "structural_tag", ...} (docs/batch.md)')
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter (PEFT directory) rows may name in --lora-column; repeatable")
+    p.add_argument("--lora-column", help="the column naming each row's adapter; null or empty: the base model "
+                                         "(default: lora, when --lora is given)")
+    p.add_argument("--max-loras", type=int, help="engine knob: adapters in one engine step")
+    p.add_argument("--max-lora-rank", type=int, help="engine knob: the largest adapter rank")
     p.add_argument("--num-replicas", type=int, default=1, help="engine actors")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine actor")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -54,14 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _config(args: argparse.Namespace):
     from serve_app.batch.config import BatchConfig
-    engine_kwargs = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    engine_kwargs = {name: getattr(args, name) for name in ("max_num_seqs", "max_loras", "max_lora_rank")
+                     if getattr(args, name)}
     return BatchConfig.from_files(
         template_file=args.template, response_format_file=args.response_format, model=args.model,
         prompt_column=args.prompt_column, chat=args.chat, id_column=args.id_column, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, num_replicas=args.num_replicas,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
         batch_size=args.batch_size, max_concurrent_batches=args.max_concurrent_batches, cpu_threads=args.cpu_threads,
-        continue_on_error=args.continue_on_error, engine_kwargs=engine_kwargs)
+        continue_on_error=args.continue_on_error, engine_kwargs=engine_kwargs, loras=args.lora,
+        lora_column=args.lora_column)
 
 
 def _raise_interrupt(signum, frame):

@@ -13,6 +13,7 @@ from typing import Any
 from engine.config import DEVICES, EngineConfig
 from engine.errors import check_int
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from serve_app.lora.adapters import parse_lora_modules
 
 _DEVICES = ("auto", *DEVICES)  # the engine's devices, plus "auto"
 _MAX_CONCURRENT_BATCHES = 16  # bounds the actor's threads and the blocks it holds
@@ -44,6 +45,9 @@ class BatchConfig:
     continue_on_error: bool = False         # a row the engine refuses is written with its error, not fatal
     cpu_threads: int | None = None          # torch threads of a CPU engine actor; None: every core it may use
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more engine.LLM knobs (max_num_seqs, ...)
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT adapter directory (--lora)
+    lora_column: str | None = None          # the row's adapter by name (null or "": the base model);
+                                            # "lora" when loras are given
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -52,6 +56,12 @@ class BatchConfig:
             raise ValueError("give either prompt_column or template, not both")
         if self.template is None and self.prompt_column is None:
             self.prompt_column = "prompt"
+        self.loras = parse_lora_modules(self.loras, "--lora")
+        if self.loras and self.lora_column is None:
+            self.lora_column = "lora"
+        if self.lora_column is not None and not self.loras:
+            raise ValueError(f"lora_column={self.lora_column!r} names adapters, but no adapter is given "
+                             "(--lora NAME=PATH)")
         if self.device not in _DEVICES:
             raise ValueError(f"device={self.device!r} is invalid: must be one of {_DEVICES}")
         for name in ("num_replicas", "tensor_parallel_size", "batch_size"):
@@ -132,8 +142,14 @@ class BatchConfig:
         return min(_MAX_CONCURRENT_BATCHES, -(-max_num_seqs // self.batch_size) + 1)
 
     def llm_kwargs(self) -> dict[str, Any]:
-        return dict(self.engine_kwargs, device=self.device, dtype=self.dtype,
-                    tensor_parallel_size=self.tensor_parallel_size)
+        kwargs = dict(self.engine_kwargs, device=self.device, dtype=self.dtype,
+                      tensor_parallel_size=self.tensor_parallel_size)
+        if self.loras:
+            kwargs.setdefault("enable_lora", True)
+        return kwargs
+
+    def max_lora_rank(self) -> int:
+        return self.engine_kwargs.get("max_lora_rank", EngineConfig.max_lora_rank)
 
 
 def row_seed(seed: int, row_id: Any) -> int:

@@ -11,7 +11,7 @@ import ray
 
 from engine.entrypoints.prompts import has_chat_template
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.prompts import ID, check_columns, load_tokenizer, render_prompt
+from serve_app.batch.prompts import ID, check_columns, load_tokenizer, render_prompt, row_lora
 from serve_app.batch.stages import RowFn, ids_from_column
 
 # File extension -> Ray Data reader. Anything pyarrow/fsspec reads works: local paths, s3://, gs://, ...
@@ -100,7 +100,9 @@ def _check_batch(batch: pa.Table, config: BatchConfig, preprocess: RowFn | None)
         try:
             if row.get(ID) is None:
                 raise ValueError("a row has no id (null)")
-            render_prompt(config, preprocess(dict(row)) if preprocess else row)
+            row = preprocess(dict(row)) if preprocess else row
+            render_prompt(config, row)
+            row_lora(config, row)
             errors.append(None)
         except Exception as e:  # noqa: BLE001 - reported with the row, to the driver
             errors.append(str(e) if isinstance(e, ValueError) else f"row id={row.get(ID)!r}: {type(e).__name__}: {e}")
@@ -165,6 +167,13 @@ def _check_up_front(config: BatchConfig, columns: list[str], preprocess: RowFn |
         check_columns(config, columns, source)
     if config.chat and not has_chat_template(load_tokenizer(config.model)):
         raise ValueError(f"--chat: the model {config.model} has no chat template")
+    if config.loras:  # every adapter runs on this model, before any engine loads it
+        from engine.config import ModelConfig
+        from engine.loader.model_path import resolve_model_path
+        from serve_app.lora.adapters import check_lora_modules
+
+        model_config = ModelConfig.from_pretrained(resolve_model_path(config.model))
+        check_lora_modules(config.loras, config.max_lora_rank(), model_config, "--lora")
 
 
 def _root_message(e: BaseException) -> str:

@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from engine.entrypoints.prompts import check_not_empty, encode, has_chat_template, render_chats
 from engine.entrypoints.prompts import load_tokenizer as _load_tokenizer
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from serve_app.batch.config import BatchConfig
 
 ID = "id"  # the output's id column, whatever the input's id column is called
@@ -39,8 +40,9 @@ def compile_template(source: str) -> tuple[jinja2.Template, frozenset[str]]:
 def required_columns(config: BatchConfig) -> set[str]:
     """Input columns the prompts are built from (checked against the input's schema up front)."""
     cols = set(compile_template(config.template)[1]) if config.template is not None else {config.prompt_column}
-    if config.id_column is not None:
-        cols.add(config.id_column)
+    for column in (config.id_column, config.lora_column):
+        if column is not None:
+            cols.add(column)
     return cols
 
 
@@ -72,6 +74,18 @@ def render_prompt(config: BatchConfig, row: dict[str, Any]) -> str:
     if not prompt:
         raise ValueError(f"row id={row_id!r}: the prompt template renders an empty prompt")
     return prompt
+
+
+def row_lora(config: BatchConfig, row: dict[str, Any]) -> LoRARequest | None:
+    """The adapter the row's lora_column names (ids 1..N in --lora's order: the same in every engine
+    actor); None for the base model (no column, null or ""). An unknown name raises, naming the row."""
+    name = row.get(config.lora_column) if config.lora_column is not None else None
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str) or name not in config.loras:
+        raise ValueError(f"row id={row.get(ID)!r}: column {config.lora_column!r} names adapter {name!r}, which is "
+                         f"not among --lora {sorted(config.loras)}")
+    return LoRARequest(name, list(config.loras).index(name) + 1, config.loras[name])
 
 
 def to_chat(tokenizer, prompts: list[str], row_ids: list[Any]) -> list[str]:

@@ -31,7 +31,7 @@ from engine.sampling_params import (
     StructuredOutputsParams,
 )
 from serve_app.batch.config import BatchConfig
-from serve_app.batch.prompts import ID, build_prompts, load_tokenizer, tokenize_prompts
+from serve_app.batch.prompts import ID, build_prompts, load_tokenizer, row_lora, tokenize_prompts
 from serve_app.guard.policy import GuardrailPolicy, check_output
 from serve_app.replica.placement import use_cpu_threads
 
@@ -167,10 +167,11 @@ class EngineStage:
         ids = [r["id"] for r in rows]
         prompts = self._prompts(rows)
         params = [_final_only(self.config.sampling_params(r["id"])) for r in rows]
+        loras = [row_lora(self.config, r) for r in rows]  # checked up front (inputs.py): known names
         if self.retry_counter is not None:  # a batch seen before is one Ray re-ran (its actor died);
             # awaited, so that it is counted even if this actor dies the next moment
             await self.retry_counter.batch_started.remote(batch_key(ids))
-        outputs = await self._generate(prompts, params, ids)
+        outputs = await self._generate(prompts, params, ids, loras)
         for row, out in zip(rows, outputs):
             if isinstance(out, RowError):  # continue_on_error: the row is kept, with why it has no text
                 row.update(text=None, num_prompt_tokens=None, num_generated_tokens=None,
@@ -194,13 +195,13 @@ class EngineStage:
         token_ids = tokenize_prompts(self.config, self.llm.tokenizer, rows)  # an empty one raises, naming its row
         return [{"prompt": row["prompt"], "prompt_token_ids": ids} for row, ids in zip(rows, token_ids)]
 
-    async def _generate(self, prompts, params, ids) -> list:
+    async def _generate(self, prompts, params, ids, loras) -> list:
         for attempt in range(self.config.max_batch_retries + 1):
             llm = self.llm
             try:
                 async with asyncio.TaskGroup() as group:  # one request fails: the batch's others are aborted
                     tasks = [group.create_task(_final_output(llm, *args, self.config.continue_on_error))
-                             for args in zip(prompts, params, ids)]
+                             for args in zip(prompts, params, ids, loras)]
                 return [t.result() for t in tasks]
             except Exception as e:  # noqa: BLE001 - a TaskGroup raises an ExceptionGroup
                 error = _first_error(e)
@@ -253,10 +254,10 @@ class RowError:
     message: str
 
 
-async def _final_output(llm, prompt, params, row_id, keep_refusals: bool = False):
+async def _final_output(llm, prompt, params, row_id, lora=None, keep_refusals: bool = False):
     final = None
     try:
-        async for out in llm.generate(prompt, params):
+        async for out in llm.generate(prompt, params, lora_request=lora):
             final = out
     except InvalidRequestError as e:  # the same type, with the row's id in the message
         message = f"row id={row_id!r}: {e}"

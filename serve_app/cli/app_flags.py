@@ -24,6 +24,9 @@ from pydantic.fields import FieldInfo
 
 # Fields that are not flags: `model` is the positional MODEL.
 POSITIONAL = ("model",)
+# Fields whose flag takes one or more words, as vLLM's `--lora-modules sql=/a/sql chat=/a/chat`
+# (each word `name=path` or a JSON object); the field's validator reads the list.
+MULTI_WORD = ("lora_modules",)
 
 
 def flag_name(field: str) -> str:
@@ -41,6 +44,8 @@ def add_app_flags(parser: argparse.ArgumentParser, model: type) -> None:
                                   "help": _help(name, info, comments)}
         if _is_bool(info.annotation):
             kwargs.update(nargs="?", const="true")  # `--flag` alone is `--flag true`
+        elif name in MULTI_WORD:
+            kwargs.update(nargs="+", metavar="NAME=PATH")
         group.add_argument(flag_name(name), **kwargs)
 
 
@@ -54,8 +59,11 @@ def app_args_from(ns: argparse.Namespace, model: type) -> dict[str, Any]:
     return args
 
 
-def parse_value(name: str, text: str, info: FieldInfo) -> Any:
-    """A flag's text as the value AppArgs validates: None, JSON for containers, else the string."""
+def parse_value(name: str, text: str | list[str], info: FieldInfo) -> Any:
+    """A flag's text as the value AppArgs validates: None, JSON for containers, else the string; a
+    MULTI_WORD flag's words as they are."""
+    if isinstance(text, list):
+        return text
     if text.lower() in ("none", "null") and _allows_none(info.annotation):
         return None
     if _is_container(info.annotation):

@@ -53,7 +53,14 @@ def unauthorized() -> OpenAIError:
 
 
 def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    """vLLM's answer to a `model` that is neither the base model nor an adapter."""
+    return OpenAIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model", code=404)
+
+
+def adapter_not_found(name: str) -> OpenAIError:
+    """vLLM's answer to unloading an adapter it does not have."""
+    return OpenAIError(404, f"The lora adapter '{name}' cannot be found.", type="NotFoundError",
+                       param="lora_name", code=404)
 
 
 def route_not_found(path: str, status_code: int = 404) -> OpenAIError:

@@ -31,7 +31,7 @@ import uuid
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from ray import serve
@@ -40,20 +40,21 @@ from ray.serve.handle import DeploymentHandle
 from engine.core.detokenizer import decode_token
 from engine.entrypoints.prompts import load_tokenizer
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from serve_app.args import AppArgs, BatchingConfig, describe_validation_error
 from serve_app.replica.client import LocalEngineFactory, RemoteEngine, merge_streams
 from serve_app.replica.draining import flush_serve_logs
-from serve_app.http.errors import (OpenAIError, bad_request, from_validation_error, from_value_error,
-                                   model_not_found, overloaded)
+from serve_app.http.errors import OpenAIError, bad_request, from_validation_error, from_value_error, overloaded
 from serve_app.http.http_util import check_api_key, error_response, install_error_handlers, read_body
 from serve_app.http.access_log import RequestInfo
-from serve_app.http.messages import EngineRequest, OutputSpec
+from serve_app.http.messages import EngineRequest, OutputSpec, adapter_model_id
 from serve_app.http.cluster_metrics import ClusterMetrics
 from serve_app.metrics import IngressMetrics
 from serve_app.http.preprocess import ModelLimits, Prepared, PrepJob, prepare_batch
 from serve_app.http.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.http.responses import ChatBuilder, CompletionBuilder, ResponseBuilder
+from serve_app.http.served_models import ServedModels
 from serve_app.http.streaming import Generation
 
 logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in the replica logs
@@ -84,6 +85,12 @@ def _output_spec(req: ChatCompletionRequest, args: AppArgs) -> OutputSpec:
         return req.output_spec(args.reasoning_parser, args.tool_call_parser)
     except InvalidRequestError as e:
         raise bad_request(str(e), param=e.param) from None
+
+
+def _adapter_key(lora: LoRARequest | None) -> str | None:
+    """What a micro-batch's routing decisions are per: the adapter (None: the base model). A batch goes
+    to one engine replica, and a replica that holds one adapter may not hold another."""
+    return adapter_model_id(lora) if lora is not None else None
 
 
 class _SSEResponse(StreamingResponse):
@@ -132,14 +139,14 @@ class Ingress:
         if local_engine is not None:
             self.engine, self.json_engine = local_engine()
         else:
-            self.engine, self.json_engine = RemoteEngine(engine), RemoteEngine(guardrails)
+            self.engine, self.json_engine = RemoteEngine(engine), RemoteEngine(guardrails, adapter_routing=False)
         self.tokenizer = _load_tokenizer(args.tokenizer or args.model)
         self.metrics = IngressMetrics(args.metrics_prefix, args.model_name)
         # GET /metrics: every replica's series (and Serve's own), as Ray exports them (cluster_metrics.py)
         self.cluster_metrics = ClusterMetrics((f"ray_{args.metrics_prefix}_", "ray_serve_"))
         app.state.metrics = self.metrics  # error answers are counted by status too (http_util)
         self.batching = args.batching()
-        self.created = int(time.time())
+        self.models = ServedModels(args, self.engine)  # the base model and the LoRA adapters
         self._limits: ModelLimits | None = None
         self._num_pending = 0
 
@@ -160,10 +167,11 @@ class Ingress:
     # -- routes ---------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        req = await self._parse(request, CompletionRequest)
+        req, lora = await self._parse(request, CompletionRequest)
         params = _sampling_params(req)
         with self._admit():
-            prepared = await self._prepare(PrepJob(max_tokens=req.max_tokens, prompts=req.prompts()))
+            prepared = await self._prepare(PrepJob(max_tokens=req.max_tokens, prompts=req.prompts(),
+                                                   adapter=_adapter_key(lora)))
             request_id = f"cmpl-{uuid.uuid4().hex}"
             echo = [t if t is not None else self.tokenizer.decode(ids)
                     for t, ids in zip(prepared.prompt_texts, prepared.prompt_token_ids)] if req.echo else None
@@ -174,18 +182,20 @@ class Ingress:
                                         req.include_usage, echo_texts=echo, echo_first_tokens=first_tokens)
             source = req.structured_source
             output = OutputSpec(param=source) if req.json_mode else None
-            return await self._generate(request, request_id, prepared, params, builder, req.stream, output, source)
+            return await self._generate(request, request_id, prepared, params, builder, req.stream, output, source,
+                                        lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        req = await self._parse(request, ChatCompletionRequest)
+        req, lora = await self._parse(request, ChatCompletionRequest)
         params = _sampling_params(req)
         output = _output_spec(req, self.args)
         with self._admit():
             prepared = await self._prepare(PrepJob(
                 max_tokens=params.max_tokens, messages=req.template_messages(),
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                tools=req.template_tools(), chat_template_kwargs=req.chat_template_kwargs))
+                tools=req.template_tools(), chat_template_kwargs=req.chat_template_kwargs,
+                adapter=_adapter_key(lora)))
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             k = (req.top_logprobs or 0) if req.logprobs else None
             # Without a reasoning parser or tools the text is all content: nothing to read per delta.
@@ -193,19 +203,29 @@ class Ingress:
             builder = ChatBuilder(request_id, req.model, req.n, 1, k, req.include_usage,
                                   output=output if reads else None, include_reasoning=req.include_reasoning)
             return await self._generate(request, request_id, prepared, params, builder, req.stream,
-                                        output if req.json_mode else None, req.structured_source)
+                                        output if req.json_mode else None, req.structured_source, lora)
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
+    async def list_models(self, request: Request) -> dict:
         check_api_key(request, self.args.api_key)
-        return {"object": "list", "data": [await self._model_card()]}
+        return {"object": "list", "data": self.models.cards((await self._model_limits()).max_model_len)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> dict:
         check_api_key(request, self.args.api_key)
-        if model_id != self.args.model_name:
-            raise model_not_found(model_id)
-        return await self._model_card()
+        return self.models.card(model_id, (await self._model_limits()).max_model_len)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        check_api_key(request, self.args.api_key)
+        body = await read_body(request, self.args.max_request_body_bytes)
+        return PlainTextResponse(await self.models.load(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        check_api_key(request, self.args.api_key)
+        body = await read_body(request, self.args.max_request_body_bytes)
+        return PlainTextResponse(await self.models.unload(body))
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -221,7 +241,8 @@ class Ingress:
         return Response(await self.cluster_metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     # -- request path ---------------------------------------------------------------------
-    async def _parse(self, request: Request, model_cls):
+    async def _parse(self, request: Request, model_cls) -> tuple[Any, LoRARequest | None]:
+        """The request model, and the LoRA adapter its `model` names (None: the base model; 404: neither)."""
         request.state.arrival = time.monotonic()  # the access log's latency counts from here
         check_api_key(request, self.args.api_key)
         body = await read_body(request, self.args.max_request_body_bytes)
@@ -230,11 +251,9 @@ class Ingress:
             req = model_cls.model_validate_json(body, extra=extra)
         except ValidationError as e:
             raise from_validation_error(e) from None
-        if req.model != self.args.model_name:
-            raise model_not_found(req.model)
         # The prefix router sends a session's requests to one engine replica (docs/fleet.md).
         request.state.session = request.headers.get("x-session-id") or req.prompt_cache_key or req.user
-        return req
+        return req, self.models.resolve(req.model)
 
     @contextlib.contextmanager
     def _admit(self):
@@ -272,11 +291,11 @@ class Ingress:
             results = prepare_batch(self.tokenizer, jobs, limits)
         else:
             results = await asyncio.to_thread(prepare_batch, self.tokenizer, jobs, limits)
-        if len(jobs) > 1:  # the batch's one routing decision: its requests share an engine replica
-            batch_id = uuid.uuid4().hex
-            for r in results:
+        if len(jobs) > 1:  # one routing decision per adapter of the batch: its requests share an engine replica
+            batch_ids: dict[str | None, str] = {}
+            for job, r in zip(jobs, results):
                 if isinstance(r, Prepared):
-                    r.batch_id = batch_id
+                    r.batch_id = batch_ids.setdefault(job.adapter, uuid.uuid4().hex)
         return results
 
     async def _model_limits(self) -> ModelLimits:
@@ -288,19 +307,15 @@ class Ingress:
             self._limits = ModelLimits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"])
         return self._limits
 
-    async def _model_card(self) -> dict:
-        limits = await self._model_limits()
-        return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "rayllm",
-                "root": self.args.model, "parent": None, "max_model_len": limits.max_model_len}
-
     async def _generate(self, request: Request, request_id: str, prepared: Prepared, params: SamplingParams,
                         builder: ResponseBuilder, stream: bool, output: OutputSpec | None,
-                        param_source: str | None) -> Response:
-        """`output`: the guardrail's contract (JSON, tool calls), for a request it must check; None: none."""
+                        param_source: str | None, lora: LoRARequest | None) -> Response:
+        """`output`: the guardrail's contract (JSON, tool calls), for a request it must check; None: none.
+        `lora`: the adapter the request runs with; None: the base model."""
         json_mode = output is not None
         engine = self.json_engine if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
-                                  prepared.batch_id, stream=stream, output=output,
+                                  prepared.batch_id, stream=stream, output=output, lora_request=lora,
                                   session=getattr(request.state, "session", None))
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([engine.stream(r) for r in requests])

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 # One token's log-probabilities: (token_id, logprob, rank, decoded_token) for the sampled token
@@ -51,6 +52,18 @@ class EngineRequest:
     stream: bool = False            # the client streams: the guardrail passes tokens on as they come
     output: OutputSpec | None = None  # chat: how to read the text (reasoning, tool calls); the guard's contract
     session: str | None = None      # the client's session (X-Session-ID, prompt_cache_key, user): prefix router's key
+    lora_request: LoRARequest | None = None  # the adapter it runs with (the Ingress's registry); None: base model
+
+    @property
+    def multiplexed_model_id(self) -> str:
+        """Serve's model multiplexing key: replicas holding the adapter are preferred; "": none."""
+        return adapter_model_id(self.lora_request) if self.lora_request is not None else ""
+
+
+def adapter_model_id(lora: LoRARequest) -> str:
+    """An adapter's multiplexed model id: its name and id, so that an adapter loaded again under the
+    same name (a new id, maybe new weights) is a new model to every replica's cache and to routing."""
+    return f"{lora.lora_name}@{lora.lora_int_id}"
 
 
 @dataclass

@@ -29,6 +29,7 @@ class PrepJob:
     continue_final_message: bool = False
     tools: list[dict] | None = None               # chat: OpenAI function tools, for the template
     chat_template_kwargs: dict | None = None      # chat: template variables (enable_thinking, ...)
+    adapter: str | None = None                    # the LoRA adapter it runs with: a batch is routed per adapter
     submit_time: float = 0.0                     # time.monotonic() when it entered the micro-batch queue
 
     def template_key(self) -> tuple:

@@ -9,7 +9,8 @@
                         the JSON guard in front of it (GuardedEngine)
 
 Both clients have one interface, so the Ingress never asks where its engine is: besides the
-streams, `reconfigure` takes the engine's knobs out of the caller's user_config,
+streams, `check_lora` says why the engine cannot run an adapter (a runtime load's check),
+`reconfigure` takes the engine's knobs out of the caller's user_config,
 `check_replica_health` is what the engine adds to the caller replica's health, and `get_stats`
 and `shutdown` reach an engine in this process.
 
@@ -30,6 +31,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
+from engine.lora.request import LoRARequest
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.messages import EngineRequest, StreamError, StreamItem
 
@@ -40,19 +42,25 @@ logger = logging.getLogger(f"ray.serve.{__name__}")  # under Serve's logger: in 
 
 
 class RemoteEngine:
-    """Token streams, model info and health of a deployment, through its handle."""
+    """Token streams, model info and health of a deployment, through its handle. `adapter_routing`:
+    the deployment is the engine's, whose replicas report the LoRA adapters they hold (Serve's model
+    multiplexing); not Guardrails, which holds none."""
 
-    def __init__(self, handle: DeploymentHandle):
+    def __init__(self, handle: DeploymentHandle, adapter_routing: bool = True):
         self.handle = handle
+        self.adapter_routing = adapter_routing
 
     def stream(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
-        return stream_from(self.handle, request)
+        return stream_from(self.handle, request, self.adapter_routing)
 
     async def model_info(self) -> dict[str, Any]:
         return await self.handle.model_info.remote()
 
     async def check_health(self) -> None:
         await self.handle.check_health.remote()
+
+    async def check_lora(self, lora: LoRARequest) -> str | None:
+        return await self.handle.check_lora.remote(lora)
 
     def reconfigure(self, user_config: dict[str, Any]) -> dict[str, Any]:
         """None of the caller's user_config is the engine's (its replicas have a user_config of
@@ -84,6 +92,9 @@ class LocalEngine:
 
     async def check_health(self) -> None:
         await self.replica.check_health()
+
+    async def check_lora(self, lora: LoRARequest) -> str | None:
+        return await self.replica.check_lora(lora)
 
     def reconfigure(self, user_config: dict[str, Any]) -> dict[str, Any]:
         """Apply the engine replica's knobs (StreamingConfig's keys) of the caller's user_config,
@@ -121,10 +132,13 @@ class LocalEngineFactory:
         return engine, GuardedEngine(JsonGuard(GuardrailPolicy.from_args(self.args.guardrails)), engine)
 
 
-async def stream_from(handle: DeploymentHandle, request: EngineRequest) -> AsyncIterator[StreamItem]:
+async def stream_from(handle: DeploymentHandle, request: EngineRequest,
+                      adapter_routing: bool = True) -> AsyncIterator[StreamItem]:
     """The StreamItems of one engine request; Ray-level failures become a final error item."""
     if request.batch_id is not None:  # BatchAffinityRouter: the whole micro-batch to one replica
         handle = handle.options(session_id=request.batch_id)
+    if adapter_routing and request.lora_request is not None:  # Serve's multiplexing: a replica holding it
+        handle = handle.options(multiplexed_model_id=request.multiplexed_model_id)
     stream = handle.generate.options(stream=True).remote(request)
     finished = False
     try:

@@ -34,7 +34,9 @@ from engine.sampling_params import RequestOutputKind
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.errors import stream_error
 from serve_app.http.messages import Delta, EngineRequest, ErrorKind, StreamError, StreamItem
+from engine.lora.request import LoRARequest
 from serve_app.metrics import EngineMetrics, record_engine_metrics
+from serve_app.replica.adapters import ReplicaAdapters
 from serve_app.replica.draining import DrainPolicy, abort_when_stopping, flush_serve_logs, serve_stop_probe
 from serve_app.replica.placement import expose_bundle_gpus, use_cpu_threads
 
@@ -62,6 +64,7 @@ class EngineDeployment:
         self.streaming = args.streaming()  # reconfigure() replaces it when user_config is set
         cfg = self.llm.engine_config
         self.metrics = EngineMetrics(args.metrics_prefix, args.model_name, cfg.max_model_len)
+        self.adapters = ReplicaAdapters(self.llm, args.max_cpu_loras or args.max_loras, self.metrics.count_lora_load)
         self._metrics_task: asyncio.Task | None = None  # started on the replica's loop by the first call
         self._drain_watched = False  # abort_when_stopping started (by the first call, on the replica's loop)
         self._drain_task: asyncio.Task | None = None  # held here: the loop keeps tasks by weak reference only
@@ -73,11 +76,18 @@ class EngineDeployment:
         if self._refusing:
             yield StreamItem(finished=True, error=StreamError(ErrorKind.UNAVAILABLE, SHUTDOWN_MESSAGE))
             return
+        if request.lora_request is not None:
+            try:
+                await self.adapters.ensure_loaded(request.lora_request)
+            except Exception as e:  # noqa: BLE001 - the adapter cannot run here: the request's error
+                yield StreamItem(finished=True, error=self.failure(e))
+                return
         params = request.sampling_params
         params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
         logger.debug("generate %s batch %s", request.request_id, request.batch_id)
-        outputs = self.llm.generate(prompt, params, request.request_id, stream_interval_s=self._interval_s)
+        outputs = self.llm.generate(prompt, params, request.request_id, stream_interval_s=self._interval_s,
+                                    lora_request=request.lora_request)
         # aclosing: however this generator ends (cancelled, closed at a yield), the chain
         # below is closed now, not at garbage collection, and the engine aborts the request.
         streaming = False  # counted in _num_streaming from its first item (queued requests send nothing)
@@ -118,6 +128,10 @@ class EngineDeployment:
         cfg, mcfg = self.llm.engine_config, self.llm.model_config
         return {"max_model_len": cfg.max_model_len, "vocab_size": mcfg.vocab_size,
                 "eos_token_ids": list(mcfg.eos_token_ids)}
+
+    async def check_lora(self, lora: LoRARequest) -> str | None:
+        """Why this engine cannot run the adapter, or None (the Ingress asks before a runtime load)."""
+        return await self.adapters.check(lora)
 
     async def get_stats(self) -> dict[str, Any]:
         return {"replica": self._replica, "time": time.time(), "cpu_threads": self._cpu_threads,
