@@ -29,12 +29,12 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from engine.entrypoints.async_llm import AsyncLLM
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from serve_app.args import AppArgs, StreamingConfig
 from serve_app.http.errors import stream_error
 from serve_app.http.messages import Delta, EngineRequest, ErrorKind, StreamError, StreamItem
-from engine.lora.request import LoRARequest
 from serve_app.metrics import EngineMetrics, record_engine_metrics
 from serve_app.replica.adapters import ReplicaAdapters
 from serve_app.replica.draining import DrainPolicy, abort_when_stopping, flush_serve_logs, serve_stop_probe
