@@ -21,11 +21,17 @@ Tensor parallelism follows the base layer's own sharding (its `_output_shard` / 
 a column-parallel layer keeps A whole and holds its rows of B; a row-parallel layer holds its
 columns of A and B whole, so its delta is a partial sum that the layer's all_reduce adds up
 with the base output's.
+
+Two ways to add the delta, picked once per engine by device (engine/lora/worker_manager.py):
+`LoRASlots` loops over the step's adapters with torch matmuls (CPU); `TritonLoRASlots` runs every
+adapter's rows in one shrink and one expand launch (kernels/triton_lora.py, CUDA), reading only
+the diagonal blocks of B, and captures into CUDA graphs.
 """
 from __future__ import annotations
 
 import torch
 
+from engine.layers.linear import QKVParallelLinear
 from engine.worker.forward_context import get_forward_context
 
 
@@ -67,3 +73,32 @@ class LoRASlots:
                 y += (x @ self.lora_a[slot].T) @ self.lora_b[slot].T
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T)
+
+
+class TritonLoRASlots(LoRASlots):
+    """The same slots; the delta from the Triton kernels, every adapter of the step at once,
+    the forward context's mapping being a LoRAKernelMapping."""
+
+    def __init__(self, layer, num_parts: int, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(layer, num_parts, max_loras, max_rank, dtype, device)
+        from kernels.triton_lora import add_lora  # triton only where the kernels run
+
+        self._add_lora = add_lora
+        # [P + 1] int32: part p's rows of this rank's output, part_offsets[p] .. part_offsets[p + 1]
+        self.part_offsets = torch.tensor(part_offsets(layer, num_parts), dtype=torch.int32, device=device)
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        mapping = get_forward_context().lora_mapping
+        if mapping is None:
+            return
+        self._add_lora(y, x, self.lora_a, self.lora_b, mapping.sorted_token_ids, mapping.slot_starts,
+                       self.part_offsets)
+
+
+def part_offsets(layer, num_parts: int) -> list[int]:
+    """Where each fused part's rows start in this rank's output, then the output's size: [P + 1]."""
+    if num_parts == 1:
+        return [0, layer.output_size]
+    shard_ids = ("q", "k", "v") if isinstance(layer, QKVParallelLinear) else range(num_parts)
+    return [layer._output_shard(shard_id)[0] for shard_id in shard_ids] + [layer.output_size]
