@@ -33,7 +33,8 @@ def bench_ms(fn):
 
 
 def make_layer(in_size: int, part_sizes: list[int], rank: int, max_loras: int, dtype, seed=0):
-    """Slots laid out as engine/layers/lora.py lays them: lora_a [L, P*R, in], lora_b [L, out, P*R]."""
+    """Slots laid out as engine/layers/lora.py lays them: lora_a [L, P*R, in], lora_b [L, out, P*R]
+    (stored transposed)."""
     gen = torch.Generator().manual_seed(seed)
     num_parts, out = len(part_sizes), sum(part_sizes)
     a = torch.randn(max_loras, num_parts * rank, in_size, generator=gen) / in_size ** 0.5
@@ -42,6 +43,7 @@ def make_layer(in_size: int, part_sizes: list[int], rank: int, max_loras: int, d
     for p in range(num_parts):
         b[:, offsets[p]:offsets[p + 1], p * rank:(p + 1) * rank] = torch.randn(
             max_loras, part_sizes[p], rank, generator=gen) / rank ** 0.5
+    b = b.transpose(1, 2).contiguous().transpose(1, 2)  # stored as B^T, as the engine keeps it
     return (a.to(DEVICE, dtype), b.to(DEVICE, dtype),
             torch.tensor(offsets, dtype=torch.int32, device=DEVICE))
 

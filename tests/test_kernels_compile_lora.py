@@ -2,9 +2,10 @@
 
 Same scheme as test_kernels_compile_quant.py: a fresh child process (interpreter off) compiles
 each kernel ahead of time with the tiles, num_warps / num_stages and constexprs its wrapper
-launches with (kernels/triton_lora.py's choose_config, shrink_meta, expand_meta), arguments
-specialized as a launch specializes them (an int equal to 1 becomes a constexpr; pointers and ints
-divisible by 16 get tt.divisibility=16).
+launches with (kernels/triton_lora.py's choose_config, shrink_meta, expand_meta) and the slots'
+layout engine/layers/lora.py keeps (lora_b stored as B^T), arguments specialized as a launch
+specializes them (an int equal to 1 becomes a constexpr; pointers and ints divisible by 16 get
+tt.divisibility=16).
 """
 
 import json
@@ -59,7 +60,7 @@ def expand(elem, tokens, k, out, rank, parts):
     n = parts * rank
     args = dict(buf_ptr="*fp32", b_ptr="*" + elem, y_ptr="*" + elem, sorted_ids_ptr="*i32",
                 slot_starts_ptr="*i32", part_offsets_ptr="*i32", R=rank, stride_bufs=tokens * n,
-                stride_bufm=n, stride_bs=out * n, stride_bn=n, stride_bk=1, stride_ym=out, stride_yn=1)
+                stride_bufm=n, stride_bs=out * n, stride_bn=1, stride_bk=out, stride_ym=out, stride_yn=1)
     consts = dict(lora.expand_meta(rank, config), SPLIT_K=config["SPLIT_K"], NUM_PARTS=parts,
                   IEEE_DOT=elem == "fp32", UPCAST=False)
     return build(lora._lora_expand_kernel, args, consts, {"num_warps": 4, "num_stages": 1})

@@ -29,6 +29,7 @@ def make_slots(part_sizes: list[int], ranks: list[int], max_rank: int, dtype=tor
             a[s, cols] = torch.randn(r, HIDDEN, generator=gen) / HIDDEN ** 0.5
             b[s, offsets[p]:offsets[p + 1], cols] = torch.randn(part_sizes[p], r, generator=gen)
     to = dict(device=DEVICE, dtype=dtype)
+    b = b.transpose(1, 2).contiguous().transpose(1, 2)  # stored as B^T, as engine/layers/lora.py does
     return a.to(**to), b.to(**to), torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
 
 

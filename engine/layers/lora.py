@@ -5,7 +5,9 @@ R = max_lora_rank and P = its parts (3 for qkv_proj, 2 for gate_up_proj, 1 other
 
     lora_a [max_loras, P * R, in_local]    part p's A in rows p*R : p*R + r, the rest zero
     lora_b [max_loras, out_local, P * R]   part p's scaling * B in its output rows and columns
-                                           p*R : p*R + r: block-diagonal over the parts
+                                           p*R : p*R + r: block-diagonal over the parts; stored
+                                           transposed ([max_loras, P * R, out_local] contiguous),
+                                           so every delta path reads B^T along the outputs
 
         lora_b[slot] of qkv_proj:   cols  [ q's R | k's R | v's R ]
                            q rows   [  B_q  |   0   |   0   ]
@@ -23,9 +25,10 @@ columns of A and B whole, so its delta is a partial sum that the layer's all_red
 with the base output's.
 
 Two ways to add the delta, picked once per engine by device (engine/lora/worker_manager.py):
-`LoRASlots` loops over the step's adapters with torch matmuls (CPU); `TritonLoRASlots` runs every
-adapter's rows in one shrink and one expand launch (kernels/triton_lora.py, CUDA), reading only
-the diagonal blocks of B, and captures into CUDA graphs.
+`LoRASlots` (CPU) runs every adapter row of the step in one call of the C kernel
+(kernels/cpu_lora.c; fp32), else loops over the step's adapters with torch matmuls;
+`TritonLoRASlots` (CUDA) runs them in one shrink and one expand launch (kernels/triton_lora.py)
+and captures into CUDA graphs. The kernels read only the diagonal blocks of B.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch
 
 from engine.layers.linear import QKVParallelLinear
 from engine.worker.forward_context import get_forward_context
+from kernels.cpu_lora import lora_delta
 
 
 class LoRASlots:
@@ -42,7 +46,10 @@ class LoRASlots:
         in_local = layer.input_size
         out_local = layer.output_size
         self.lora_a = torch.zeros(max_loras, num_parts * max_rank, in_local, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, out_local, num_parts * max_rank, dtype=dtype, device=device)
+        b_t = torch.zeros(max_loras, num_parts * max_rank, out_local, dtype=dtype, device=device)
+        self.lora_b = b_t.transpose(1, 2)  # [max_loras, out_local, P * R], B^T contiguous underneath
+        # [P + 1]: part p's rows of this rank's output are part_offsets[p] .. part_offsets[p + 1]
+        self.part_offsets = torch.tensor(part_offsets(layer, num_parts), dtype=torch.int64)
 
     def set_slot(self, slot: int, parts: list[tuple[object, torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Slot `slot` := an adapter's parts [(shard_id, A [r, in_full], B [out_part_full, r])];
@@ -68,6 +75,9 @@ class LoRASlots:
         mapping = get_forward_context().lora_mapping
         if mapping is None:
             return
+        if mapping.token_slots is not None and lora_delta(y, x, self.lora_a, self.lora_b, mapping.token_slots,
+                                                          self.part_offsets):
+            return
         for slot, rows in zip(mapping.slots, mapping.row_indices):
             if rows is None:  # every row of the step runs this adapter: no gather, no scatter
                 y += (x @ self.lora_a[slot].T) @ self.lora_b[slot].T
@@ -85,8 +95,7 @@ class TritonLoRASlots(LoRASlots):
         from kernels.triton_lora import add_lora  # triton only where the kernels run
 
         self._add_lora = add_lora
-        # [P + 1] int32: part p's rows of this rank's output, part_offsets[p] .. part_offsets[p + 1]
-        self.part_offsets = torch.tensor(part_offsets(layer, num_parts), dtype=torch.int32, device=device)
+        self.part_offsets = self.part_offsets.to(device, torch.int32)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         mapping = get_forward_context().lora_mapping

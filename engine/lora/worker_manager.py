@@ -107,7 +107,8 @@ class LoRAModelManager:
                 rows.setdefault(slot, []).extend(range(start, start + n))
             start += n
         return LoRAMapping(list(rows), [None if len(r) == start else to_device(r, torch.long, self.device)
-                                        for r in rows.values()])
+                                        for r in rows.values()],
+                           to_device(self.token_slots(mi), torch.int32, self.device))
 
     def _load(self, slot: int, request: LoRARequest) -> None:
         adapter, tensors = self._host_adapter(request)

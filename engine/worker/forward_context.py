@@ -51,10 +51,12 @@ class AttentionMetadata:
 class LoRAMapping:
     """Which rows of the step's flat batch run which LoRA slot (engine/layers/lora.py): the rows of
     `slots[i]` are `row_indices[i]` ([num_rows] int64), or every row when that is None. Base-model
-    rows are in no entry. At most max_loras entries, so a layer loops over adapters, never tokens."""
+    rows are in no entry. At most max_loras entries, so a layer loops over adapters, never tokens.
+    `token_slots` is the same per row, as the CPU kernel reads it (kernels/cpu_lora.c)."""
 
     slots: list[int]
     row_indices: list[torch.Tensor | None]
+    token_slots: torch.Tensor | None = None  # [num_tokens] int32, -1 for the base model
 
 
 @dataclass
