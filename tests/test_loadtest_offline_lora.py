@@ -3,14 +3,19 @@ random PEFT adapters the engine accepts, both engines in alternating rounds, the
 import json
 
 import pytest
+import torch
 
 from loadtest.offline import main, parse_args
 
 
 def test_lora_mode_writes_the_ratio_of_both_engines(tiny_llama, tmp_path, capsys):
     out = tmp_path / "lora.json"
-    report = main(["--quick", "--num-requests", "3", "--model-dir", tiny_llama, "--lora", "3",
-                   "--max-loras", "2", "--rounds", "2", "--out", str(out)])
+    threads = torch.get_num_threads()  # main() sets its --threads for the process
+    try:
+        report = main(["--quick", "--num-requests", "3", "--model-dir", tiny_llama, "--lora", "3",
+                       "--max-loras", "2", "--rounds", "2", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     saved = json.loads(out.read_text())
     assert saved["lora"] == {**saved["lora"], "num_adapters": 3, "max_loras": 2, "rank": 8}
     assert len(saved["ratio_rounds"]) == 2 and saved["ratio_median"] > 0
