@@ -90,3 +90,30 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
         probs = torch.softmax(scores, dim=-1)[..., :seq_len]  # [num_heads, q_len, seq_len]
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def lora_shrink_ref(x, lora_a, token_slots: list[int]) -> torch.Tensor:
+    """Each row through its adapter's A, in float64: [num_tokens, N] fp32, rows of slot -1 zero.
+
+    x:           [num_tokens, K]
+    lora_a:      [max_loras, N, K]   N = parts x max rank, the parts' A stacked
+    token_slots: one slot per row, -1 for the base model
+    """
+    out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            out[t] = (x[t].double() @ lora_a[slot].double().T).float()
+    return out
+
+
+def lora_expand_ref(buf, lora_b, y, token_slots: list[int]) -> None:
+    """y[t] += buf[t] @ lora_b[slot].T for each row of a slot, in float64, with the whole B (its
+    zero off-diagonal blocks too: the layout's meaning, not the kernel's shortcut).
+
+    buf:    [num_tokens, N]
+    lora_b: [max_loras, out, N]
+    y:      [num_tokens, out], rows of slot -1 left as they are
+    """
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            y[t] = (y[t].double() + buf[t].double() @ lora_b[slot].double().T).to(y.dtype)

@@ -24,6 +24,9 @@
 #                                          # gpt-oss, sliding windows / soft-caps / sinks, two KV groups in graphs
 #   bash loadtest/gpu_session.sh kv-fp8    # issue 34: the fp8 KV cache's tests natively (sm_89+), then decode
 #                                          # throughput, bf16 cache vs fp8, Qwen3-0.6B shape, 256 x 512 in / 256 out
+#   bash loadtest/gpu_session.sh lora      # issue 35: the LoRA tests natively (Triton shrink / expand, the engine
+#                                          # with adapters eager and in CUDA graphs), then loadtest.lora_bench
+#                                          # (the engine tests write adapters with peft: gpu_wheels.sh's site)
 #   bash loadtest/gpu_session.sh quant     # issue 34: the quantized-weight tests natively (Triton FP8 block,
 #                                          # int4 and GGUF GEMMs, _scaled_mm, _int_mm), then workload B's shape
 #                                          # (Llama-3.1-8B) bf16 vs online FP8 weights, decode tok/s and roofline
@@ -55,7 +58,7 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/test_kernels_attention.py tests/test_kernels_attention_split.py tests/test_kernels_store_kv.py \
       tests/test_kernels_validation.py tests/test_models.py tests/test_llm.py tests/test_llm_engine.py \
-      tests/test_sampler.py tests/test_structured_output.py \
+      tests/test_sampler.py tests/test_structured_output.py tests/test_kernels_lora.py tests/test_lora.py \
       -k "cuda or triton or gpu or guided or kernels or models" \
       2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)
@@ -63,7 +66,7 @@ case "$stage" in
   kernel-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_attention.py \
       tests/test_kernels_attention_split.py tests/test_kernels_store_kv.py tests/test_kernels_validation.py \
-      tests/test_kernels_fp8_kv.py 2>&1 | tee "$out/kernel_tests.log" ;;
+      tests/test_kernels_fp8_kv.py tests/test_kernels_lora.py 2>&1 | tee "$out/kernel_tests.log" ;;
   kernel-sweep)
     # All knobs take ~minutes of compiles; name a few (e.g. NUM_SPLITS KV_TILE) to stay in one command.
     shift
@@ -116,6 +119,10 @@ case "$stage" in
     qwen3_model
     python3 -m loadtest.quant_bench --device cuda --model "$QWEN3" --num-seqs 256 --prompt-len 512 \
       --output-len 256 --kv-cache-dtypes auto,fp8 --out "$out/kv_dtype_bench.json" 2>&1 | tee "$out/kv_dtype_bench.log" ;;
+  lora)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_lora.py tests/test_layers_lora.py \
+      tests/test_lora.py tests/test_config.py -k "lora" 2>&1 | tee "$out/lora_tests.log"
+    python3 -m loadtest.lora_bench --out "$out/lora_bench.json" 2>&1 | tee "$out/lora_bench.log" ;;
   quant)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_fp8_gemm.py tests/test_kernels_int4_gemm.py \
       tests/test_kernels_gguf.py tests/test_quantization.py tests/test_quantization_fp8.py tests/test_quantization_int8.py \
@@ -126,6 +133,6 @@ case "$stage" in
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|quant)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|lora|quant)"
      exit 2 ;;
 esac

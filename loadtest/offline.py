@@ -5,6 +5,7 @@
     python -m loadtest.offline --arch qwen3_moe      # the bench shape as another architecture (MoE: 8 experts, top-2)
     python -m loadtest.offline --skip-hf --dtype float32,bfloat16 --quantization none,int8 --rounds 2
                                                      # our engine in each dtype x quantization, interleaved
+    python -m loadtest.offline --lora 4 --rounds 3   # 4 LoRA adapters against the base model (loadtest/offline_lora.py)
 
 docs/benchmarks.md "CPU, offline throughput": 64 requests, prompts of random ids with
 length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from loadtest import offline_lora
 from loadtest.hf_peer import compare_tokens, hf_greedy_reference, hf_static, load_hf_model
 from loadtest.measure import matmul_flop_rate, run_metadata
 from loadtest.ours import shutdown, timed_engine_run
@@ -198,7 +200,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="our engine's quantization per dtype, comma-separated (none, int8)")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs of each of our variants, interleaved")
     ap.add_argument("--out", type=Path, default=Path("bench_out/offline.json"))
+    offline_lora.add_lora_args(ap)
     args = ap.parse_args(argv)
+    offline_lora.check_lora_args(ap, args)
     args.dtype, args.quantization = args.dtype.split(","), args.quantization.split(",")
     for flag, values, allowed in (("--dtype", args.dtype, ("float32", "bfloat16")),
                                   ("--quantization", args.quantization, ("none", "int8"))):
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape = ModelShape.from_hf_config(config, bytes_per_param=4)
     requests = make_offline_workload(args.num_requests, args.seed, config["vocab_size"],
                                      args.prompt_len, args.output_len)
+    if args.lora:
+        return offline_lora.run(args, argv, model_path, config, requests, progress)
     warmup = make_offline_workload(2, args.seed + 1, config["vocab_size"], (16, 32), (4, 4))
     flop_rate = matmul_flop_rate(2048, torch.float32, "cpu", repeats=3 if args.quick else 5)
     variants = run_ours(model_path, requests, warmup, args)

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from engine.layers import linear
+from engine.layers import lora as lora_layer
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.lora import LoRASlots
 from engine.worker.forward_context import LoRAMapping, set_forward_context
+from kernels import cpu_lora
 
 HIDDEN, HEAD_DIM, HEADS, MAX_RANK = 16, 4, 4, 8
 
@@ -89,3 +91,22 @@ def test_no_mapping_adds_nothing(monkeypatch):
     slots.lora_a.fill_(1.0)
     slots.lora_b.fill_(1.0)
     assert not _delta(slots, torch.ones(2, 8), None).any()
+
+
+def test_cpu_kernel_and_torch_loop_add_the_same_delta(monkeypatch):
+    """With the rows' slots (token_slots) the C kernel runs (kernels/cpu_lora.c); without, the torch loop."""
+    gen = torch.Generator().manual_seed(3)
+    layer = _layer(monkeypatch, lambda: QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, 2), 0, 1)
+    slots = LoRASlots(layer, 3, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32, device=torch.device("cpu"))
+    slots.set_slot(0, _parts(gen, [("q", HIDDEN, 16), ("v", HIDDEN, 8)], rank=5), scaling=0.5)
+    slots.set_slot(1, _parts(gen, [("q", HIDDEN, 16), ("k", HIDDEN, 8), ("v", HIDDEN, 8)], rank=8), scaling=2.0)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    row_slots = [1, -1, 0, 1, 0]
+    loop = LoRAMapping([1, 0], [torch.tensor([0, 3]), torch.tensor([2, 4])])
+    kernel = LoRAMapping(loop.slots, loop.row_indices, torch.tensor(row_slots, dtype=torch.int32))
+    calls = []
+    monkeypatch.setattr(lora_layer, "lora_delta", lambda *args: calls.append(1) or cpu_lora.lora_delta(*args))
+    expected = _delta(slots, x, loop)
+    assert not calls
+    torch.testing.assert_close(_delta(slots, x, kernel), expected, atol=1e-5, rtol=1e-5)
+    assert calls == [1] and not expected[1].any() and expected[[0, 2, 3, 4]].any(dim=-1).all()  # row 1: base

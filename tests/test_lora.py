@@ -3,14 +3,21 @@ llama, against HF transformers greedy on the base model with each adapter merged
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, AsyncLLM, LoRARequest, SamplingParams
+from engine.layers.lora import TritonLoRASlots
+from engine.lora import worker_manager
+from engine.worker.cuda_graph import CUDAGraphRunner
+from engine.worker.forward_context import set_forward_context
+from engine.worker.model_runner import ModelRunner
 from tests.hf_reference import assert_matches, hf_greedy
 
 peft = pytest.importorskip("peft")
@@ -86,6 +93,64 @@ def test_one_batch_mixes_base_and_two_adapters(lora_llm, adapters):
     names = ["base", "a", "b", "a", "base", "b"]
     outs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                              lora_request=[adapters[n][0] for n in names])
+    _check(outs, prompts, names, adapters)
+
+
+class EagerReplayRunner(CUDAGraphRunner):
+    """CUDAGraphRunner without CUDA: capture records nothing, and a replay runs the model eagerly on
+    the static buffers, as the captured graph would (the decode steps' inputs, padding rows and the
+    LoRA kernels' mapping all come from the buffers)."""
+
+    def capture(self) -> None:
+        self.replays = 0
+        for bs in self.batch_sizes:
+            self.graphs[bs] = SimpleNamespace(replay=functools.partial(self._replay, bs))
+
+    def _replay(self, bs: int) -> None:
+        self.replays += 1
+        with set_forward_context(self._metadata(bs), self._lora_mapping(bs)):
+            self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without CUDA only; natively: below")
+def test_cuda_path_on_cpu_kernels_and_graph_buffers_equal_hf(tiny_llama, adapters, monkeypatch):
+    """The CUDA path's pieces under the Triton interpreter: the layers' shrink / expand kernels
+    (TritonLoRASlots), the manager's sorted-row mapping, and decode steps replayed from the graph
+    runner's static buffers, 3 sequences padded to a batch of 4."""
+    monkeypatch.setattr(worker_manager, "use_lora_kernels", lambda device: True)
+
+    def capture(runner):
+        graphs = EagerReplayRunner(runner.model, runner.config.max_num_seqs, runner.config.max_model_len,
+                                   runner.block_size, runner.device, max_loras=runner.config.max_loras)
+        graphs.capture()
+        return graphs
+
+    monkeypatch.setattr(ModelRunner, "_maybe_capture_cuda_graphs", capture)
+    prompts, names = _prompts(3), ["base", "a", "b"]
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)  # the interpreter is slow
+    with LLM(tiny_llama, device="cpu", enable_lora=True, max_loras=2, max_num_seqs=4) as llm:
+        runner = llm.llm_engine.executor.runner
+        assert isinstance(runner.model.model.layers[0].mlp.gate_up_proj.lora, TritonLoRASlots)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], short, use_tqdm=False,
+                            lora_request=[adapters[n][0] for n in names])
+        assert runner.graph_runner.replays == 3  # one prefill step, then every decode step replayed
+    for out, prompt, name in zip(outs, prompts, names):
+        assert_matches(out.outputs[0].token_ids, hf_greedy(adapters[name][1], prompt, 4), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_kernels_with_and_without_graphs_equal_hf(tiny_llama, adapters, enforce_eager):
+    """Natively: the Triton kernels, eagerly and captured in the decode graphs (fp32, so HF's greedy
+    stays exact); decode batches of several sizes mixing the base model and both adapters."""
+    prompts = _prompts(7)
+    names = ["a", "base", "b", "b", "a", "base", "a"]
+    with LLM(tiny_llama, device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_num_seqs=8,
+             enforce_eager=enforce_eager) as llm:
+        assert (llm.llm_engine.executor.runner.graph_runner is None) == enforce_eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                            lora_request=[adapters[n][0] for n in names])
     _check(outs, prompts, names, adapters)
 
 

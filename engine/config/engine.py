@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +11,6 @@ from engine.errors import check_int as _positive
 if TYPE_CHECKING:
     from engine.config.model import ModelConfig
 
-logger = logging.getLogger(__name__)
 
 # The valid concrete values; each EngineConfig field also takes "auto".
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names: getattr(torch, name)
@@ -66,7 +64,8 @@ class EngineConfig:
     worker_start_timeout_s: float = 120.0       # a TP worker not up by then fails start-up, naming its rank
     # Multi-LoRA (docs/lora.md): requests may name a PEFT adapter (LoRARequest). max_loras adapters
     # run in one step (slots on the device), each of rank <= max_lora_rank; max_cpu_loras are kept
-    # in host memory, least recently used dropped (None: max_loras). CUDA graphs are off with it.
+    # in host memory, least recently used dropped (None: max_loras). On CUDA the deltas are Triton
+    # kernels, captured in the decode graphs with the step's rows in static buffers.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -121,10 +120,6 @@ class EngineConfig:
             async_scheduling = on_cuda and self.tensor_parallel_size == 1
         if on_cuda and self.kv_cache_dtype != "auto":
             _check_fp8_kv_cache(self.kv_cache_dtype)
-        enforce_eager = self.enforce_eager
-        if self.enable_lora and on_cuda and not enforce_eager:
-            logger.info("enable_lora: CUDA graphs are not captured (the adapters' deltas run eagerly)")
-            enforce_eager = True
         quantization = resolve_quantization(self.quantization, model_config.quantization, _is_gguf(self.model))
         if quantization is not None:
             _check_quantization_config(quantization, model_config)
@@ -133,7 +128,7 @@ class EngineConfig:
             attention_backend=_resolve_attention_backend(self.attention_backend, on_cuda),
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_cuda else 2048),
-            async_scheduling=async_scheduling, enforce_eager=enforce_eager)
+            async_scheduling=async_scheduling)
 
     @property
     def is_resolved(self) -> bool:

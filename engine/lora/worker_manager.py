@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 from engine.config import EngineConfig, ModelConfig
 from engine.core.messages import ModelInput
 from engine.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
-from engine.layers.lora import LoRASlots
+from engine.layers.lora import LoRASlots, TritonLoRASlots
 from engine.lora.peft_adapter import TARGET_MODULES, PEFTAdapter, read_peft_adapter
 from engine.lora.request import LoRARequest
-from engine.worker.forward_context import LoRAMapping, to_device
+from engine.worker.forward_context import LoRAKernelMapping, LoRAMapping, to_device
+from kernels.lora_mapping import sort_tokens_by_slot
 
 logger = logging.getLogger(__name__)
 BASE_SLOT = -1  # a sequence without an adapter
@@ -34,7 +35,13 @@ class LoRAModelManager:
         self.model_config = model_config
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
-        self.layers = _attach_slots(model, model_config, self.max_loras, self.max_lora_rank, dtype, self.device)
+        # CUDA: the Triton kernels and the sorted-index mapping they read; elsewhere a torch loop over
+        # adapters with each one's row indices. Chosen here, once.
+        self.use_kernels = use_lora_kernels(self.device)
+        slots_cls = TritonLoRASlots if self.use_kernels else LoRASlots
+        self._make_mapping = self._kernel_mapping if self.use_kernels else self._row_mapping
+        self.layers = _attach_slots(model, model_config, slots_cls, self.max_loras, self.max_lora_rank, dtype,
+                                    self.device)
         # Planning (rank 0): adapter id -> its slot, least recently used first.
         self._slot_of: OrderedDict[int, int] = OrderedDict()
         # Host cache (every rank): adapter id -> (adapter, its tensors on the CPU), LRU.
@@ -67,21 +74,41 @@ class LoRAModelManager:
         return self._slot_of.pop(victim)
 
     # -- every rank -----------------------------------------------------------------
-    def prepare(self, mi: ModelInput) -> LoRAMapping | None:
-        """Apply the step's loads to this rank's slots; the step's rows per slot (None: no adapter)."""
+    def prepare(self, mi: ModelInput) -> LoRAMapping | LoRAKernelMapping | None:
+        """Apply the step's loads to this rank's slots; the step's mapping of rows to slots in the
+        layers' kind (None: no row runs an adapter)."""
+        self.apply_loads(mi)
+        if all(slot == BASE_SLOT for slot in mi.lora_slots):
+            return None
+        return self._make_mapping(mi)
+
+    def apply_loads(self, mi: ModelInput) -> None:
         for slot, request in mi.lora_loads:
             self._load(slot, request)
+
+    def token_slots(self, mi: ModelInput) -> list[int]:
+        """Each row's slot ([num_tokens]; BASE_SLOT for the base model)."""
+        return [slot for slot, n in zip(mi.lora_slots, mi.query_lens) for _ in range(n)]
+
+    def kernel_rows(self, mi: ModelInput) -> tuple[list[int], list[int]]:
+        """The kernels' host lists: (sorted_token_ids [num_tokens], slot_starts [max_loras + 1])."""
+        return sort_tokens_by_slot(self.token_slots(mi), self.max_loras)
+
+    def _kernel_mapping(self, mi: ModelInput) -> LoRAKernelMapping:
+        sorted_ids, starts = self.kernel_rows(mi)
+        return LoRAKernelMapping(to_device(sorted_ids, torch.int32, self.device),
+                                 to_device(starts, torch.int32, self.device))
+
+    def _row_mapping(self, mi: ModelInput) -> LoRAMapping:
         rows: dict[int, list[int]] = {}
         start = 0
         for slot, n in zip(mi.lora_slots, mi.query_lens):
             if slot != BASE_SLOT:
                 rows.setdefault(slot, []).extend(range(start, start + n))
             start += n
-        if not rows:
-            return None
-        slots = list(rows)
-        return LoRAMapping(slots, [None if len(r) == start else to_device(r, torch.long, self.device)
-                                   for r in rows.values()])
+        return LoRAMapping(list(rows), [None if len(r) == start else to_device(r, torch.long, self.device)
+                                        for r in rows.values()],
+                           to_device(self.token_slots(mi), torch.int32, self.device))
 
     def _load(self, slot: int, request: LoRARequest) -> None:
         adapter, tensors = self._host_adapter(request)
@@ -108,8 +135,13 @@ class LoRAModelManager:
         return entry
 
 
-def _attach_slots(model: torch.nn.Module, model_config: ModelConfig, max_loras: int, max_rank: int,
-                  dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
+def use_lora_kernels(device: torch.device) -> bool:
+    """Whether the layers add their deltas with the Triton kernels: where they run natively."""
+    return device.type == "cuda"
+
+
+def _attach_slots(model: torch.nn.Module, model_config: ModelConfig, slots_cls: type[LoRASlots], max_loras: int,
+                  max_rank: int, dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
     """Slots on every decoder layer's projections that PEFT targets; a model without them all
     (a mixture of experts, Phi-3's fused checkpoint names) is refused by name."""
     names = sorted({ours for ours, _ in TARGET_MODULES.values()})
@@ -126,5 +158,5 @@ def _attach_slots(model: torch.nn.Module, model_config: ModelConfig, max_loras: 
                                  f"({name} is not a linear layer of ours)")
             num_parts = 3 if isinstance(layer, QKVParallelLinear) else \
                 len(layer.shard_sizes) if isinstance(layer, MergedColumnParallelLinear) else 1
-            layer.lora = out[name] = LoRASlots(layer, num_parts, max_loras, max_rank, dtype, device)
+            layer.lora = out[name] = slots_cls(layer, num_parts, max_loras, max_rank, dtype, device)
     return out

@@ -51,16 +51,29 @@ class AttentionMetadata:
 class LoRAMapping:
     """Which rows of the step's flat batch run which LoRA slot (engine/layers/lora.py): the rows of
     `slots[i]` are `row_indices[i]` ([num_rows] int64), or every row when that is None. Base-model
-    rows are in no entry. At most max_loras entries, so a layer loops over adapters, never tokens."""
+    rows are in no entry. At most max_loras entries, so a layer loops over adapters, never tokens.
+    `token_slots` is the same per row, as the CPU kernel reads it (kernels/cpu_lora.c)."""
 
     slots: list[int]
     row_indices: list[torch.Tensor | None]
+    token_slots: torch.Tensor | None = None  # [num_tokens] int32, -1 for the base model
+
+
+@dataclass
+class LoRAKernelMapping:
+    """The same on CUDA, as the Triton kernels read it (kernels/lora_mapping.py): the rows grouped by
+    slot, base rows last, and where each slot's group starts. In a captured graph these are views of
+    static buffers that each replay refills."""
+
+    sorted_token_ids: torch.Tensor  # [num_tokens] int32
+    slot_starts: torch.Tensor       # [max_loras + 1] int32: slot s's rows are sorted_token_ids[starts[s]:starts[s+1]]
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
-    lora_mapping: LoRAMapping | None = None  # None: no adapter in this step (or LoRA is off)
+    # None: no adapter in this step (or LoRA is off); LoRAKernelMapping on CUDA, LoRAMapping elsewhere.
+    lora_mapping: LoRAMapping | LoRAKernelMapping | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -73,7 +86,8 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, lora_mapping: LoRAMapping | None = None):
+def set_forward_context(attn_metadata: AttentionMetadata | None,
+                        lora_mapping: LoRAMapping | LoRAKernelMapping | None = None):
     global _forward_context
     prev = _forward_context
     _forward_context = ForwardContext(attn_metadata, lora_mapping)

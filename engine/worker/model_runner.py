@@ -167,7 +167,8 @@ class ModelRunner:
             return None
         from engine.worker.cuda_graph import CUDAGraphRunner
         runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self.config.max_model_len,
-                                 self.block_size, self.device, num_kv_groups=len(self.kv_groups))
+                                 self.block_size, self.device, num_kv_groups=len(self.kv_groups),
+                                 max_loras=0 if self.lora_manager is None else self.config.max_loras)
         runner.capture()
         return runner
 
@@ -255,7 +256,7 @@ class ModelRunner:
         """Forward over the flat batch; logits [num_sample_rows, vocab] (every TP rank runs this)."""
         input_ids = self._input_ids(mi)
         if self.graph_runner is not None and self.graph_runner.can_run(mi):
-            hidden = self.graph_runner.run(mi, input_ids)
+            hidden = self.graph_runner.run(mi, input_ids, self._lora_graph_rows(mi))
         else:
             hidden = self._eager_forward(mi, input_ids)
         if mi.prompt_logprob_rows:
@@ -277,6 +278,13 @@ class ModelRunner:
             input_ids[to_device(mi.prev_token_rows, torch.long, self.device)] = \
                 self._prev_sampled[to_device(mi.prev_token_src, torch.long, self.device)]
         return input_ids
+
+    def _lora_graph_rows(self, mi: ModelInput) -> tuple[list[int], list[int]] | None:
+        """With LoRA, a replay's adapters loaded into their slots and the kernels' rows for its buffers."""
+        if self.lora_manager is None:
+            return None
+        self.lora_manager.apply_loads(mi)
+        return self.lora_manager.kernel_rows(mi)
 
     def _eager_forward(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
         meta = AttentionMetadata(
