@@ -7,8 +7,8 @@ that repeats itself; a random-weight model copies nothing it reads, so its draft
 n-grams its own greedy text repeats) and `random` (random prompts sampled at temperature 1: text
 that never repeats, so drafts are rejected and the acceptance guard must keep the cost small). At
 each concurrency c the requests are fed to the engine keeping c in flight (a new one as each
-finishes); both engines run the same requests, interleaved (`--rounds` times: each engine's
-fastest round counts), each after its own warm-up. Reported per (workload, c): output tokens/s of
+finishes); both engines run the same requests, interleaved (`--rounds` times, each engine going
+first in turn: its fastest round counts), each after its own warm-up. Reported per (workload, c): output tokens/s of
 each, the speed-up, the acceptance rate (accepted / draft tokens), the mean acceptance length
 (1 + accepted / drafts: tokens per verification) and, for the greedy workload, how many requests'
 tokens differ (must be 0). `--model` runs a real checkpoint instead of the random bench model.
@@ -77,8 +77,8 @@ def measure(engines: dict, args) -> list[dict]:
             row = {"workload": workload, "concurrency": c, "temperature": temperature,
                    "num_requests": len(requests), "num_output_tokens": useful}
             before = spec_counters(engines["spec"])
-            for _ in range(args.rounds):  # interleaved; each engine's fastest round counts
-                for name, llm in engines.items():
+            for i in range(args.rounds):  # interleaved, each going first in turn; its fastest round counts
+                for name, llm in (list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]):
                     wall_s, token_ids = run_at_concurrency(llm, requests, temperature, c, args.seed)
                     progress(f"{workload} c={c} {name}: {useful / wall_s:.1f} tok/s")
                     if name not in row or wall_s < row[name]["elapsed_s"]:
