@@ -6,6 +6,7 @@
     python -m loadtest.offline --skip-hf --dtype float32,bfloat16 --quantization none,int8 --rounds 2
                                                      # our engine in each dtype x quantization, interleaved
     python -m loadtest.offline --lora 4 --rounds 3   # 4 LoRA adapters against the base model (loadtest/offline_lora.py)
+    python -m loadtest.offline --speculative ngram   # speculative decoding vs none (loadtest.offline_spec)
 
 docs/benchmarks.md "CPU, offline throughput": 64 requests, prompts of random ids with
 length U[16, 256], outputs U[16, 128] (ignore_eos, greedy), all submitted at once.
@@ -224,6 +225,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--speculative" or a.startswith("--speculative=") for a in argv):
+        from loadtest.offline_spec import main as speculative_main  # its own workloads and flags
+
+        return speculative_main(argv)
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model:

@@ -1,4 +1,5 @@
-"""Synthetic workloads: random token-id prompts (offline) and random-word prompts (online).
+"""Synthetic workloads: random token-id prompts (offline), prompts that repeat a span (offline,
+speculative decoding) and random-word prompts (online).
 
 Everything is drawn from one `random.Random(seed)`, so a workload is a pure
 function of its arguments: the same seed gives the same requests on every
@@ -80,6 +81,30 @@ def make_offline_workload(num_requests: int, seed: int, vocab_size: int,
         n_out = rng.randint(*output_len)
         ids = [rng.randrange(first_token_id, vocab_size) for _ in range(n_prompt)]
         requests.append(BenchRequest(prompt_token_ids=ids, max_tokens=n_out))
+    return requests
+
+
+def make_copy_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tuple[int, int],
+                       output_len: tuple[int, int], span_len: tuple[int, int] = (8, 32),
+                       first_token_id: int = 3) -> list[BenchRequest]:
+    """Requests whose text repeats itself, for speculative decoding: each prompt is one random span
+    of `span_len` tokens written out again and again up to its length (a document quoted and
+    re-quoted, the input of an edit or an extraction), decoded greedily.
+
+    A random-weight model copies nothing it reads: its drafts then come from the n-grams its own
+    greedy text repeats here and there (now and then a short loop), which prompt lookup predicts
+    as it predicts a copied span. So the workload runs speculation's whole machinery on text that
+    partly repeats itself; a trained model editing or extracting from its prompt copies longer
+    spans (`loadtest.offline --speculative ngram --model ...` measures one).
+    """
+    _check_range("span_len", span_len, 1)
+    base = make_offline_workload(num_requests, seed, vocab_size, prompt_len, output_len, first_token_id)
+    rng = random.Random(seed + 1)
+    requests = []
+    for r in base:
+        span = r.prompt_token_ids[:rng.randint(*span_len)]
+        n = len(r.prompt_token_ids)
+        requests.append(BenchRequest(prompt_token_ids=(span * (n // len(span) + 1))[:n], max_tokens=r.max_tokens))
     return requests
 
 

@@ -11,12 +11,15 @@ here by name, type and default; the live knobs' initial values are `BatchingConf
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import types
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model,
+                      field_validator, model_validator)
 
 from engine.config import DEVICES, EngineConfig, ModelConfig
 from engine.entrypoints.tool_parsers import get_tool_parser
@@ -89,8 +92,26 @@ def _engine_fields() -> dict[str, Any]:
             default = Field(default_factory=f.default_factory)
         else:
             default = ...
-        fields[f.name] = (hints[f.name], default)
+        hint = hints[f.name]
+        if _takes_dict(hint):  # `serve run ... speculative_config='{"method": "ngram", ...}'`: JSON
+            hint = Annotated[hint, BeforeValidator(_json_if_string)]
+        fields[f.name] = (hint, default)
     return fields
+
+
+def _takes_dict(hint) -> bool:
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return any((typing.get_origin(m) or m) is dict for m in members)
+
+
+def _json_if_string(value: Any) -> Any:
+    """A dict-valued engine knob given as text (a command line's `k=v`) is read as JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"expected a JSON object ({e.msg})") from None
 
 
 def _fields_of(model: type[BaseModel]) -> dict[str, Any]:

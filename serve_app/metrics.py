@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable
 
-from engine.core.stats import IterationStats
+from engine.core.stats import SPEC_DECODE_PER_POS_KEY, IterationStats
 from serve_app.http.access_log import RequestInfo, log_access
 
 # vLLM's bucket layouts (vllm/v1/metrics/loggers.py), in seconds or tokens.
@@ -90,6 +90,10 @@ class EngineMetrics:
         "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
         "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         "num_preemptions": ("num_preemptions", "Requests preempted (KV blocks taken back, recomputed later)."),
+        # Speculative decoding (engine/spec_decode; 0 without speculative_config), vLLM's series.
+        "spec_decode_num_drafts": ("spec_decode_num_drafts", "Draft verifications (a sequence's drafts in one step)."),
+        "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+        "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     }
 
     def __init__(self, prefix: str, model_name: str, max_model_len: int, factory: Factory = ray_metric):
@@ -115,6 +119,10 @@ class EngineMetrics:
             ("inference", "First scheduled to last token."))}
         self.iteration_tokens = h("iteration_tokens_total", "Tokens computed per engine step.",
                                   ITERATION_TOKEN_BUCKETS)
+        self.accepted_per_pos = s.make("counter", "spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by position in the draft (0: the first).",
+                                       ("position",))
+        self._last_per_pos: dict[str, float] = {}  # get_stats() key -> its lifetime value last exported
         for counter in (*self.counters.values(), self.prompt_tokens, self.generation_tokens):
             _start_at_zero(counter)
         for reason in ("stop", "length", "abort"):
@@ -137,8 +145,17 @@ class EngineMetrics:
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
                 self._last[key] = value
+        self._record_accepted_per_pos(stats)
         for it in iterations:
             self._record_iteration(it)
+
+    def _record_accepted_per_pos(self, stats: dict[str, Any]) -> None:
+        """The per-position lifetime counters (`spec_decode_num_accepted_tokens_per_pos_<i>`), as increments."""
+        for key, value in stats.items():
+            if key.startswith(SPEC_DECODE_PER_POS_KEY) and value > self._last_per_pos.get(key, 0.0):
+                position = key[len(SPEC_DECODE_PER_POS_KEY):]
+                self.accepted_per_pos.inc(value - self._last_per_pos.get(key, 0.0), tags={"position": position})
+                self._last_per_pos[key] = float(value)
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_prompt_tokens:

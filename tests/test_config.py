@@ -94,6 +94,40 @@ def test_valid_values_are_one_list_each():
             EngineConfig(model="m", **{field: value})
 
 
+def test_speculative_config_takes_vllms_dict_and_fills_the_ngram_window():
+    from engine.config import SpeculativeConfig
+
+    c = EngineConfig(model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    assert c.speculative_config == SpeculativeConfig("ngram", 4, prompt_lookup_max=4, prompt_lookup_min=2)
+    only_max = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (3, 3)  # vLLM's rule
+    assert SpeculativeConfig(model="ngram", num_speculative_tokens=2).prompt_lookup_min == 5
+    assert SpeculativeConfig(model="/ckpt/draft", num_speculative_tokens=3).method == "draft_model"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, r"speculative_config.method='medusa' is invalid"),
+    ({"method": "ngram"}, r"speculative_config.num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"speculative_config.num_speculative_tokens=0 is invalid"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"speculative_config.prompt_lookup_min=4 is invalid: must be <= prompt_lookup_max=2"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config.model=None is invalid"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"speculative_config: unknown field\(s\) \['k'\]"),
+    ("ngram", r"speculative_config='ngram' is invalid: pass a dict"),
+])
+def test_bad_speculative_config_names_the_field(spec, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", speculative_config=spec)
+
+
+def test_speculation_runs_without_overlapped_scheduling(with_cuda):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineConfig(model="m", speculative_config=spec).resolve(model_config()).async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported with speculative_config"):
+        EngineConfig(model="m", speculative_config=spec, async_scheduling=True)
+
+
 def test_unsupported_architecture_is_refused_from_the_registry():
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"], "num_attention_heads": 4})

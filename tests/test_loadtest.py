@@ -11,7 +11,8 @@ from loadtest import stats
 from loadtest.client import build_payload, endpoint_url
 from loadtest.roofline import ModelShape, decode_limit_seconds, gpu_limit_seconds, request_flops, workload_flops
 from loadtest.sse import DONE, parse_chunk, sse_data
-from loadtest.workload import make_offline_workload, make_token_id_prompts, make_word_prompts, num_useful_tokens
+from loadtest.workload import (make_copy_workload, make_offline_workload, make_token_id_prompts, make_word_prompts,
+                               num_useful_tokens)
 
 # A shape small enough to count by hand: q_dim 8, kv_dim 4.
 SMALL = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
@@ -45,6 +46,18 @@ def test_offline_workload_rejects_bad_arguments(kwargs, bad):
     args = dict(num_requests=2, seed=0, vocab_size=100, prompt_len=(1, 4), output_len=(1, 4)) | kwargs
     with pytest.raises(ValueError, match=bad):
         make_offline_workload(**args)
+
+
+def test_copy_workload_repeats_one_span_per_prompt():
+    """Speculative decoding's workload: each prompt is a span written out again and again."""
+    requests = make_copy_workload(16, 0, 4032, (40, 80), (8, 16), span_len=(4, 12))
+    assert requests == make_copy_workload(16, 0, 4032, (40, 80), (8, 16), span_len=(4, 12))
+    plain = make_offline_workload(16, 0, 4032, (40, 80), (8, 16))
+    for r, p in zip(requests, plain):
+        ids = r.prompt_token_ids
+        span = next(n for n in range(4, 13) if ids[n:] == ids[:-n])  # its period
+        assert len(ids) == len(p.prompt_token_ids) and r.max_tokens == p.max_tokens
+        assert ids[:span] == p.prompt_token_ids[:span] and len(ids) >= 3 * span
 
 
 def test_online_prompts_are_deterministic_and_distinct():

@@ -325,3 +325,39 @@ def test_max_loras_limits_the_adapters_running_at_once():
     assert [rid for rid, _ in step(sched).scheduled] == ["b"]
     run_all(sched)
     bm.check_no_leak()
+
+
+def verify(sched: Scheduler, sampled: list[int], num_accepted: list[int]) -> SchedulerOutput:
+    """schedule() + a fake verification: each sequence keeps its first num_accepted drafts."""
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled, num_accepted_tokens=num_accepted))
+    return out
+
+
+def test_drafts_get_lookahead_slots_and_rejected_ones_are_rolled_back():
+    sched = make_sched()
+    seq = make_seq("a", 6, max_tokens=6)
+    sched.add_seq(seq)
+    step(sched)  # the prompt: blocks [0, 1], TOK sampled
+    seq.spec_token_ids = [11, 12, 13, 14]
+    out = verify(sched, [9], [1])
+    assert out.num_scheduled_tokens == [5] and out.spec_token_ids == {seq.seq_id: [11, 12, 13, 14]}
+    assert seq.output_token_ids == [TOK, 11, 9] and seq.num_computed_tokens == 8
+    assert seq.block_table == [0, 1] and sched.block_manager.ref_counts[2] == 0  # block 2: rejected slots only
+    seq.spec_token_ids = [5, 6, 7]
+    out = verify(sched, [8], [2])  # 3 of max_tokens=6 made: two drafts and the bonus token fit
+    assert out.spec_token_ids == {seq.seq_id: [5, 6]} and out.num_scheduled_tokens == [3]
+    assert seq.output_token_ids == [TOK, 11, 9, 5, 6, 8] and seq.finish_reason == "length"
+    sched.block_manager.check_no_leak()
+
+
+def test_eos_inside_accepted_drafts_ends_the_output_there():
+    sched = make_sched(max_num_batched_tokens=3)
+    seq = make_seq("a", 2, max_tokens=10)
+    sched.add_seq(seq)
+    step(sched)
+    seq.spec_token_ids = [3, EOS, 4, 5]
+    out = verify(sched, [6], [2])
+    assert out.spec_token_ids == {seq.seq_id: [3, EOS]}  # the token budget: 1 + 2 drafts
+    assert seq.output_token_ids == [TOK, 3, EOS] and seq.finish_reason == "stop"
+    sched.block_manager.check_no_leak()

@@ -4,7 +4,13 @@ conserved and never owned twice, ref counts never negative, KV contents, the pre
 counters equal to the tokens really reused, finish reasons), and everything free at the end.
 
 With `overlap`, the harness drives the scheduler as the engine's overlapped scheduling does:
-step N+1 is scheduled (and its fake forward run) before step N's tokens are given back."""
+step N+1 is scheduled (and its fake forward run) before step N's tokens are given back.
+
+With `spec`, the harness plays speculative decoding: before each step every decoding sequence
+gets 0-3 random draft tokens, the fake forward writes their KV, and a random prefix of them is
+accepted (EOS and stop ids among them), so rejected slots are rolled back: the fake KV check then
+proves no later step reads a rejected draft's KV, and the block checks that rejected slots' blocks
+go back and no block holding a rejected token is ever registered in the prefix cache."""
 from __future__ import annotations
 
 import random
@@ -35,7 +41,7 @@ class Harness:
     """Drives a Scheduler with a fake model that also keeps a fake KV cache: every slot holds the
     token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught."""
 
-    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False):
+    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False, spec=False):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS])
         self.kv: dict[int, tuple[int, ...]] = {}
@@ -45,6 +51,8 @@ class Harness:
         self.num_queried_tokens = 0  # what the block manager's hit-rate counters must say
         self.num_hit_tokens = 0
         self.overlap = overlap
+        self.spec = spec  # speculative decoding runs without overlap, as in the engine
+        self.num_verified = 0  # steps that verified drafts
         self.pending = None  # (SchedulerOutput, sampled ids) of the launched, unprocessed step
 
     def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop):
@@ -71,6 +79,10 @@ class Harness:
         rng = random.Random(seed)
         had_work = self.sched.has_unfinished_seqs() and not self.pending
         waiting = set(self.sched.waiting)
+        if self.spec:
+            for seq in self.sched.running:
+                if seq.num_computed_tokens + 1 == seq.num_tokens:
+                    seq.spec_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4))]
         out = self.sched.schedule()
         # Overlapped, a step may be empty: every running sequence waits on its in-flight token.
         assert out.seqs or not had_work, "a step with unfinished requests scheduled nothing"
@@ -79,16 +91,29 @@ class Harness:
         if out.preempted:
             event("preempted")
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
-            self._run_model(seq, start, n)
+            self._run_model(seq, start, n, out.spec_token_ids.get(seq.seq_id, []))
         sampled = [rng.randrange(VOCAB) for f in out.sample_flags if f]
+        accepted = [rng.randrange(len(out.spec_token_ids.get(s.seq_id, [])) + 1) for s in out.sampled_seqs]
+        if out.spec_token_ids:
+            event("draft tokens verified")
+            self.num_verified += 1
         if abort_mid and self.sched.running:
             self.sched.abort(rng.choice(self.sched.running).request_id)
         if self.overlap:
             self.drain()  # the previous step, processed while this one "runs"
             self.pending = (out, sampled) if out.seqs else None
         else:
-            self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+            self.sched.update_from_output(out, ModelRunnerOutput(
+                sampled_token_ids=sampled, num_accepted_tokens=accepted if out.spec_token_ids else None))
+            self._check_rolled_back(out)
         self._check_state()
+
+    def _check_rolled_back(self, out):
+        """After verification a running sequence holds exactly the blocks of its computed tokens."""
+        for seq in out.seqs:
+            if out.spec_token_ids and seq.seq_id in out.spec_token_ids and seq.status is SequenceStatus.RUNNING:
+                assert seq.num_computed_tokens == seq.num_tokens - 1, seq
+                assert len(seq.block_table) == -(-seq.num_computed_tokens // self.bm.block_size), seq
 
     def drain(self):
         if self.pending is not None:
@@ -120,8 +145,8 @@ class Harness:
     def _slot(self, seq, pos):
         return seq.block_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
 
-    def _run_model(self, seq, start, n):
-        tokens = self._true_tokens(seq)
+    def _run_model(self, seq, start, n, drafts):
+        tokens = self._true_tokens(seq) + drafts
         assert start + n <= len(tokens), (seq, start, n)
         for pos in range(start):  # attention reads every earlier position
             assert self.kv.get(self._slot(seq, pos)) == tuple(tokens[:pos + 1]), (seq, pos)
@@ -137,8 +162,10 @@ class Harness:
         assert len(out.seqs) == len(set(out.seqs)) <= sched.max_num_seqs
         assert not set(out.seqs) & set(out.preempted)
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            num_spec = len(out.spec_token_ids.get(seq.seq_id, []))
             assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == start + n
-            assert 1 <= n <= seq.num_tokens_with_placeholders - start
+            assert 1 <= n <= seq.num_tokens_with_placeholders + num_spec - start
+            assert not num_spec or n == num_spec + 1, "drafts only on a decode"
             assert seq.num_output_placeholders <= (2 if self.overlap else 1)
             # The last output token is never fed back: nothing computes past it (nor past max_model_len).
             max_tokens = seq.sampling_params.max_tokens
@@ -186,6 +213,27 @@ class Harness:
        caching=st.booleans(), overlap=st.booleans())
 def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap):
     h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap)
+    _run(h, ops)
+    if overlap:
+        event("overlapped scheduling")
+    target(float(h.sched.num_preemptions), label="preemptions")  # steer generation toward preempting
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort), max_size=30),
+       num_blocks=st.integers(4, 12), block_size=st.sampled_from([2, 4]),
+       budget=st.integers(2, 12), max_num_seqs=st.integers(1, 5), caching=st.booleans())
+def test_random_workload_invariants_with_draft_tokens(ops, num_blocks, block_size, budget, max_num_seqs, caching):
+    """Speculative decoding (never overlapped, as in the engine): random drafts, random acceptance."""
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, spec=True)
+    _run(h, ops)
+    if h.sched.num_preemptions:
+        event("preempted (with drafts)")
+    target(float(h.num_verified), label="verifications")
+    target(float(h.sched.num_preemptions), label="preemptions")
+
+
+def _run(h: Harness, ops) -> None:
     for op, *args in ops:
         if op == "add":
             h.add(*args)
@@ -201,6 +249,3 @@ def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num
             break
         h.step(i)
     h.check_finished()
-    if overlap:
-        event("overlapped scheduling")
-    target(float(h.sched.num_preemptions), label="preemptions")  # steer generation toward preempting

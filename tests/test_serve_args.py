@@ -251,6 +251,8 @@ ENGINE_VALUES = {
     "async_scheduling": False, "distributed_init_method": "tcp://127.0.0.1:29555", "worker_start_timeout_s": 30.0,
     "reasoning_parser": "qwen3", "quantization": "int8", "kv_cache_dtype": "fp8",
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 32, "max_cpu_loras": 8,
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                           "prompt_lookup_min": 2},
 }
 
 
@@ -260,12 +262,21 @@ def test_every_engine_field_is_an_app_arg_given_as_a_string():
 
     from engine.config import EngineConfig
 
+    import json
+
+    from engine.config import SpeculativeConfig
+
     fields = dataclasses.fields(EngineConfig)
     assert {f.name for f in fields} == set(ENGINE_VALUES), "give the new EngineConfig field a value here"
-    a = parse_app_args({name: str(value) for name, value in ENGINE_VALUES.items()})  # as `serve run k=v` sends
+    # As `serve run k=v` sends them: text, a dict as JSON.
+    a = parse_app_args({name: json.dumps(value) if isinstance(value, dict) else str(value)
+                        for name, value in ENGINE_VALUES.items()})
     config = a.engine_config(a.device)
     for f in fields:
-        assert getattr(config, f.name) == ENGINE_VALUES[f.name], f.name
+        expected = ENGINE_VALUES[f.name]
+        if f.name == "speculative_config":  # the engine keeps the dict as its dataclass
+            expected = SpeculativeConfig(**expected)
+        assert getattr(config, f.name) == expected, f.name
         assert getattr(config, f.name) != f.default, f"{f.name}: pick a non-default value"
 
 
@@ -273,10 +284,11 @@ def test_every_engine_field_is_an_app_arg_given_as_a_string():
     ("block_size", "12"), ("gpu_memory_utilization", "1.5"), ("cpu_kv_cache_gb", "0"), ("max_model_len", "0"),
     ("max_num_batched_tokens", "-1"), ("num_kv_blocks", "0"), ("attention_backend", "cudnn"),
     ("worker_start_timeout_s", "0"), ("enforce_eager", "sometimes"), ("seed", "1.5"),
-    ("quantization", "int3"),
+    ("quantization", "int3"), ("speculative_config", '{"method": "medusa", "num_speculative_tokens": 2}'),
+    ("speculative_config", "{not json"),
 ])
 def test_bad_engine_value_fails_naming_the_field(name, value):
-    with pytest.raises(ValueError, match=f"^invalid application args: {name}="):
+    with pytest.raises(ValueError, match=f"^invalid application args: {name}[=.]"):
         parse_app_args({"model": "m", name: value})
 
 

@@ -39,6 +39,21 @@ def test_engine_series_have_vllm_names_and_meanings():
     assert rec.metrics["rayllm_request_prompt_tokens"].boundaries == build_1_2_5_buckets(2048)
 
 
+def test_spec_decode_counters_are_vllms_and_exported_as_increments():
+    rec = Recorder()
+    m = EngineMetrics("rayllm", "tiny", max_model_len=2048, factory=rec)
+    m.record({}, [])
+    assert rec.value("rayllm_spec_decode_num_drafts") == 0  # exported (at 0) without speculation
+    stats = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 7,
+             "spec_decode_num_accepted_tokens_per_pos_0": 3, "spec_decode_num_accepted_tokens_per_pos_1": 2}
+    m.record(stats, [])
+    m.record({**stats, "spec_decode_num_accepted_tokens": 9, "spec_decode_num_accepted_tokens_per_pos_1": 4}, [])
+    assert rec.value("rayllm_spec_decode_num_drafts") == 3 and rec.value("rayllm_spec_decode_num_draft_tokens") == 12
+    assert rec.value("rayllm_spec_decode_num_accepted_tokens") == 9
+    assert rec.value("rayllm_spec_decode_num_accepted_tokens_per_pos", position="0") == 3
+    assert rec.value("rayllm_spec_decode_num_accepted_tokens_per_pos", position="1") == 4
+
+
 def test_1_2_5_buckets():
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert build_1_2_5_buckets(4) == (1, 2)

@@ -72,6 +72,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [  # (title, unit, [(expr
          "p99 wait (s)")]),
     ("Guardrail outcomes/s", "short", [
         (f"sum by (outcome, reason) (rate({q('guardrail_outcomes_total', True)}))", "{{outcome}} {{reason}}")]),
+    ("Speculative decoding: acceptance rate, tokens per verification", "short", [
+        (f"sum(rate({q('spec_decode_num_accepted_tokens_total', True)})) / "
+         f"sum(rate({q('spec_decode_num_draft_tokens_total', True)}))", "acceptance rate"),
+        (f"1 + sum(rate({q('spec_decode_num_accepted_tokens_total', True)})) / "
+         f"sum(rate({q('spec_decode_num_drafts_total', True)}))", "mean acceptance length")]),
     ("Streamed messages per token, per hop", "short", [
         (f"sum by (hop) (rate({q('stream_messages_total', True)})) / "
          f"sum by (hop) (rate({q('stream_tokens_total', True)}))", "{{hop}}")]),

@@ -12,6 +12,8 @@ from engine.config.engine import (ATTENTION_BACKENDS, DEFAULT_CPU_KV_CACHE_GB, D
 from engine.config.model import HIDDEN_ACTS, ModelConfig
 from engine.config.rope import ROPE_TYPES
 from engine.config.sliding_window import LAYER_TYPES, SLIDING_WINDOW_ARCHITECTURES
+from engine.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_CPU_KV_CACHE_GB", "DEVICES", "DTYPES", "EngineConfig", "HIDDEN_ACTS",
-           "LAYER_TYPES", "ModelConfig", "ROPE_TYPES", "SLIDING_WINDOW_ARCHITECTURES"]
+           "LAYER_TYPES", "ModelConfig", "ROPE_TYPES", "SLIDING_WINDOW_ARCHITECTURES",
+           "SPECULATIVE_METHODS", "SpeculativeConfig"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config.quantization import QUANTIZATION_METHODS, resolve_quantization
+from engine.config.speculative import SpeculativeConfig
 from engine.errors import check_int as _positive
 
 if TYPE_CHECKING:
@@ -70,6 +71,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (docs/spec_decode.md), vLLM's shape: {"method": "ngram" | "draft_model",
+    # "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (n-gram), "model" (the
+    # draft)}. A dict becomes a SpeculativeConfig here. Its steps run without overlapped scheduling
+    # (the next proposals need this step's accepted tokens on the host). None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto",) + DTYPES)
@@ -97,6 +103,14 @@ class EngineConfig:
         if self.reasoning_parser is not None:
             _check_reasoning_parser(self.reasoning_parser)
         _check_lora(self)
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model" \
+                and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method='draft_model' is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (the draft runs unsharded on rank 0); use 'ngram'")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling=True is not supported with speculative_config (a step's "
+                             "proposals need the previous step's accepted tokens on the host)")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
@@ -117,7 +131,7 @@ class EngineConfig:
                              f"{model_config.max_position_embeddings}")
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
-            async_scheduling = on_cuda and self.tensor_parallel_size == 1
+            async_scheduling = on_cuda and self.tensor_parallel_size == 1 and self.speculative_config is None
         if on_cuda and self.kv_cache_dtype != "auto":
             _check_fp8_kv_cache(self.kv_cache_dtype)
         quantization = resolve_quantization(self.quantization, model_config.quantization, _is_gguf(self.model))

@@ -258,6 +258,22 @@ class BlockManager:
             # else: another sequence computed the same prefix first; keep its block, ours stays plain.
         self._num_registered_blocks[seq.seq_id] = num_full
 
+    def free_blocks_past(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s blocks wholly past its first `num_tokens` tokens: the slots of draft
+        tokens that verification rejected (speculative decoding). The next step allocates again.
+
+            bs = 4, 6 tokens kept:  [t0 t1 t2 t3][t4 t5 d d][d d _ _]  ->  the third block goes
+
+        None of them was registered in the prefix cache: only blocks full of computed, accepted
+        tokens are (cache_full_blocks), and those all lie before `num_tokens`.
+        """
+        table = self._table(seq)
+        keep = cdiv(num_tokens, self.block_size)
+        for block_id in reversed(table[keep:]):
+            assert self.block_hashes[block_id] is None, (seq, block_id)
+            self._release(block_id)
+        del table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its blocks go back in reverse, so its tail is evicted before its head
         (a later request sharing only the beginning of this prefix still hits)."""

@@ -167,6 +167,10 @@ class HybridBlockManager:
         for p in self.pools:
             p.cache_full_blocks(seq)
 
+    def free_blocks_past(self, seq: Sequence, num_tokens: int) -> None:
+        for p in self.pools:
+            p.free_blocks_past(seq, num_tokens)
+
     def free(self, seq: Sequence) -> None:
         for p in self.pools:
             p.free(seq)

@@ -24,7 +24,9 @@ from engine.core.request_state import RequestState
 from engine.sampling_params import SamplingParams, bad_words_token_ids
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
+from engine.core.new_tokens import detokenize_new_tokens, drop_new_tokens, logprobs_by_seq
 from engine.core.stats import StatsLog
+from engine.spec_decode import make_spec_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class LLMEngine:
         self.num_host_waits = 0  # overlapped steps that waited for the previous tokens (grammar, penalties)
         self.num_generated_tokens = 0  # lifetime counter, for metrics
         self.stats_log = StatsLog()  # per-step and per-request observations; off until enabled
+        # Speculative decoding's drafts and counters (a no-op without speculative_config).
+        self.spec_decoder = make_spec_decoder(config, self.model_config, self.executor.num_kv_blocks)
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
                     self.executor.num_kv_blocks, config.block_size)
 
@@ -147,19 +151,26 @@ class LLMEngine:
             if self._inflight is not None:
                 self.num_host_waits += 1
             outputs = self._process_inflight()
-            handle = self.executor.sample(handle, self._grammar_bitmask(sampled))
+            handle = self.executor.sample(handle, self._grammar_bitmask(sched_out))
         else:
             handle = self.executor.sample(handle)
             outputs = self._process_inflight()  # the previous step, while this one runs
         self._inflight = handle
         if not self.async_scheduling:
             outputs += self._process_inflight()
+        self.spec_decoder.propose(self.scheduler.running)  # the next step's drafts (speculation: no overlap)
         return outputs
 
-    def _grammar_bitmask(self, sampled: list[Sequence]):
-        if any(s.grammar is not None for s in sampled):
-            return self.structured_outputs.fill_bitmask([s.grammar for s in sampled])
-        return None
+    def _grammar_bitmask(self, sched_out):
+        """[sampled rows, words]: a row per sampling sequence, or per verified position with drafts."""
+        sampled = sched_out.sampled_seqs
+        if not any(s.grammar is not None for s in sampled):
+            return None
+        matchers = [s.grammar for s in sampled]
+        if sched_out.spec_token_ids:
+            drafts = [sched_out.spec_token_ids.get(s.seq_id, []) for s in sampled]
+            return self.structured_outputs.fill_bitmask_rows(matchers, drafts)
+        return self.structured_outputs.fill_bitmask(matchers)
 
     def _process_inflight(self) -> list[RequestOutput]:
         """Wait for the launched step's tokens and turn them into request outputs."""
@@ -168,13 +179,14 @@ class LLMEngine:
             return []
         sched_out = handle.scheduler_output
         runner_out = self.executor.collect(handle)
-        for seq, entry in zip(sched_out.sampled_seqs, runner_out.logprobs or ()):
-            if entry is not None and not seq.is_finished:
-                seq.output_logprobs.append(entry)
+        logprobs = logprobs_by_seq(sched_out, runner_out)
         if runner_out.prompt_logprobs:
             for seq in sched_out.seqs:
                 seq.prompt_logprobs.extend(runner_out.prompt_logprobs.get(seq.seq_id, ()))
         updated = self.scheduler.update_from_output(sched_out, runner_out)
+        for seq, entries in logprobs:  # one per token appended (fewer than verified when one stopped it)
+            seq.output_logprobs.extend(entries[:seq.num_new_tokens])
+        self.spec_decoder.record(sched_out, runner_out)
         return self._process_updates(updated)
 
     def _record_scheduled(self, sched_out) -> None:
@@ -194,27 +206,34 @@ class LLMEngine:
             state = self.requests.get(seq.request_id)
             if state is None:
                 continue
-            self.num_generated_tokens += 1
+            if seq.grammar is not None:  # first: it may drop accepted drafts after the document's end
+                self._advance_grammar(seq)
+            stop_str = detokenize_new_tokens(state.detokenizers[seq.index], seq)  # may drop tokens after a stop string
+            self.num_generated_tokens += seq.num_new_tokens
             if seq.request_id not in changed:  # once per request and step (vLLM's ITL unit)
-                num_new = sum(1 for s in updated if s.request_id == seq.request_id) if len(state.seqs) > 1 else 1
+                num_new = sum(s.num_new_tokens for s in updated if s.request_id == seq.request_id) \
+                    if len(state.seqs) > 1 else seq.num_new_tokens
                 self.stats_log.on_new_tokens(state.metrics, len(state.prompt_token_ids), num_new, now)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 state.metrics.num_cached_tokens = state.seqs[0].num_cached_tokens
-            stop_str = state.detokenizers[seq.index].update([seq.last_token_id])
             if stop_str is not None:
                 self._finish_on_stop_string(seq, stop_str)
-            if seq.grammar is not None:
-                self._advance_grammar(seq)
             if seq.is_finished:
                 self.executor.free_seq(seq.seq_id)
             changed.setdefault(seq.request_id, set()).add(seq.index)
         return self._collect_outputs(changed, now)
 
     def _advance_grammar(self, seq: Sequence) -> None:
-        seq.grammar.follow(seq.token_ids)
-        if seq.grammar.is_finished() and not seq.is_finished:  # the document is complete: end here
-            self.scheduler.finish_seq(seq, "stop", None)
+        """Follow the step's new tokens; once the document is complete, end there (tokens after
+        it, accepted drafts and their bonus token, are dropped, as one token per step would)."""
+        for position in range(seq.num_tokens - seq.num_new_tokens, seq.num_tokens):
+            seq.grammar.follow(seq.token_ids, position)
+            if seq.grammar.is_finished():
+                drop_new_tokens(seq, seq.num_tokens - position - 1)
+                if not seq.is_finished:
+                    self.scheduler.finish_seq(seq, "stop", None)
+                return
 
     @functools.cached_property
     def structured_outputs(self):
@@ -296,6 +315,7 @@ class LLMEngine:
             "num_host_waits": self.num_host_waits,
             "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
             "prefix_cache_hits": bm.num_hit_tokens,
+            **self.spec_decoder.get_stats(),  # spec_decode_* counters, with speculative_config only
         }
 
     def shutdown(self) -> None:

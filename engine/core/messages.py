@@ -37,6 +37,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step (for stats)
     num_computed_tokens: list[int] = field(default_factory=list)  # each one's first position this step
     sample_flags: list[bool] = field(default_factory=list)   # its chunk reaches its last token: sample
+    # Speculative decoding: seq_id -> the draft tokens scheduled after its last token. Such a
+    # sequence computes 1 + len(drafts) rows, all of which sample (the rejection sampler keeps
+    # the agreeing prefix and one more token). Empty when no sequence has drafts.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -45,6 +49,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens scheduled this step (each one more row that samples)."""
+        return sum(len(d) for d in self.spec_token_ids.values())
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
@@ -67,11 +76,18 @@ class SampleLogprobs:
 class ModelRunnerOutput:
     """One step's results, for the sequences whose sample flag was set, in scheduler order."""
 
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[int]  # one per sampled sequence: its next token (after accepted drafts)
     logprobs: list[SampleLogprobs | None] | None = None  # None when no sequence asked for logprobs
     # seq_id -> this step's new prompt logprob entries (the prompt token is `token_id`), in
     # position order; None when no scheduled sequence asked for prompt logprobs.
     prompt_logprobs: dict[int, list[SampleLogprobs]] | None = None
+    # Speculative decoding, per sampled sequence: how many of its draft tokens
+    # (SchedulerOutput.spec_token_ids) were accepted; they come before its sampled token, so it
+    # gains num_accepted + 1 tokens. None when no sequence had drafts this step.
+    num_accepted_tokens: list[int] | None = None
+    # ... and the logprob records of those accepted drafts ([num_accepted] per sampled sequence),
+    # when `logprobs` is set.
+    accepted_logprobs: list[list[SampleLogprobs | None]] | None = None
 
 
 @dataclass
@@ -87,7 +103,7 @@ class ModelInput:
     block_tables: list[list[int]]  # [num_seqs][max_blocks], padded with 0
     seq_lens: list[int]        # [num_seqs], context length incl. new tokens
     query_lens: list[int]      # [num_seqs], new tokens per sequence
-    sample_rows: list[int]     # flat row indices whose logits are sampled
+    sample_rows: list[int]     # flat row indices whose logits are sampled (a sequence with k drafts: its last k + 1)
     # Flat rows whose logits give prompt logprobs (row at position p scores prompt token p + 1);
     # empty unless a scheduled prefill chunk asked for them.
     prompt_logprob_rows: list[int] = field(default_factory=list)

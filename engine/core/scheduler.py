@@ -15,6 +15,13 @@ One step, under `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
 
 Prefill and decode mix in one step; the model runner sees one flat batch.
 
+Speculative decoding: a decoding sequence with draft tokens (`spec_token_ids`, proposed by the
+engine after the previous step) gets lookahead slots for them, within the token budget and never
+past max_model_len or its max_tokens (k drafts may add k + 1 tokens); when its blocks don't fit
+it decodes without them rather than preempt anyone. After the step the rejected drafts' slots
+are rolled back: `num_computed_tokens` moves back and blocks past it are freed, so only
+accepted tokens ever fill a block that the prefix cache registers.
+
 Scheduling a step moves `num_computed_tokens` at once (the step's K/V will be
 written before any later step reads it: steps run in order on one stream), so
 step N+1 can be scheduled while step N still runs. A token sampled by a step
@@ -141,10 +148,12 @@ class Scheduler:
     @staticmethod
     def _update_after_schedule(out: SchedulerOutput) -> None:
         """Snapshot where each chunk starts and whether it samples, then move the sequences on."""
+        spec = out.spec_token_ids
         for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
             out.num_computed_tokens.append(seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
-            samples = seq.num_computed_tokens == seq.num_tokens_with_placeholders
+            num_spec = len(spec[seq.seq_id]) if spec and seq.seq_id in spec else 0
+            samples = seq.num_computed_tokens == seq.num_tokens_with_placeholders + num_spec
             out.sample_flags.append(samples)
             seq.num_output_placeholders += samples  # its token is unknown until the step is processed
 
@@ -157,13 +166,30 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, _chunk_limit(seq, budget))
             assert num_new >= 1, seq
-            if not self._allocate_or_preempt(seq, num_new, out):
+            num_spec = self._num_lookahead_slots(seq, num_new, budget)
+            drafts, seq.spec_token_ids = seq.spec_token_ids[:num_spec], []  # taken now, stale after the step
+            if num_spec and self.block_manager.allocate_slots(seq, num_new + num_spec):
+                out.spec_token_ids[seq.seq_id] = drafts
+                num_new += num_spec
+            elif not self._allocate_or_preempt(seq, num_new, out):
                 break  # seq was the newest and stepped back itself; nothing runs after it
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
             i += 1
         return budget
+
+    def _num_lookahead_slots(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """How many of `seq`'s draft tokens it may verify this step: 0 unless it decodes a known
+        token; never past the budget, and never more than leave room for the bonus token within
+        max_model_len and max_tokens (k verified drafts add up to k + 1 tokens)."""
+        if not seq.spec_token_ids or num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(len(seq.spec_token_ids), budget - 1, room))
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until `seq` gets its blocks; False if `seq` itself went.
@@ -262,42 +288,70 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[Sequence]:
         """Advance each scheduled sequence, append sampled tokens, finish what must stop.
 
-        Returns the sequences that got a new token, finished ones included. A sequence
-        preempted after this step was scheduled still gets its token (it is recomputed
-        with it); one that finished meanwhile (stop, abort) has it discarded.
+        Returns the sequences that got new tokens (`num_new_tokens` says how many), finished
+        ones included. A sequence preempted after this step was scheduled still gets its token
+        (it is recomputed with it); one that finished meanwhile (stop, abort) has it discarded.
+        With draft tokens, the accepted ones come first, then the sampled one; tokens after one
+        that stops the sequence (EOS, a stop token, max_tokens) are dropped.
         """
         flags = scheduler_output.sample_flags
         sampled = runner_output.sampled_token_ids
         assert len(sampled) == sum(flags), (len(sampled), sum(flags))
+        spec, num_accepted = scheduler_output.spec_token_ids, runner_output.num_accepted_tokens
         updated: list[Sequence] = []
         k = 0  # index into the sampled rows
         for seq, samples in zip(scheduler_output.seqs, flags):
             k += samples
             if seq.is_finished:
                 continue  # aborted or stopped while the step ran: its token is dropped
+            stop = None
             if samples:
                 seq.num_output_placeholders -= 1
-                seq.append_token(sampled[k - 1])  # (the engine records runner_output.logprobs itself)
+                drafts = spec.get(seq.seq_id) if spec else None
+                new_token_ids = [sampled[k - 1]]
+                if drafts:
+                    new_token_ids = self._rollback_rejected(seq, drafts, num_accepted[k - 1]) + new_token_ids
+                stop = self._append_tokens(seq, new_token_ids)  # (the engine records the logprobs itself)
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq)
+            if stop is not None:
+                self.finish_seq(seq, *stop)
             if samples:
-                self._check_stop(seq)
                 updated.append(seq)
         return updated
 
-    def _check_stop(self, seq: Sequence) -> None:
+    def _rollback_rejected(self, seq: Sequence, drafts: list[int], num_accepted: int) -> list[int]:
+        """Forget the KV slots of the drafts after the first `num_accepted` (the step wrote them,
+        but for tokens that are not the sequence's); returns the accepted drafts."""
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens -= len(drafts) - num_accepted
+            self.block_manager.free_blocks_past(seq, seq.num_computed_tokens)
+        return drafts[:num_accepted]
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> tuple[str, int | None] | None:
+        """Append until a token stops `seq`; returns (finish reason, stop reason) if one did."""
+        seq.num_new_tokens = 0
+        for token_id in token_ids:
+            seq.append_token(token_id)
+            seq.num_new_tokens += 1
+            stop = self._stop_reason(seq)
+            if stop is not None:
+                return stop
+        return None
+
+    def _stop_reason(self, seq: Sequence) -> tuple[str, int | None] | None:
+        """Whether the token just appended ends `seq`: ("stop", token) or ("length", None)."""
         sp, token_id = seq.sampling_params, seq.last_token_id
         if seq.num_output_tokens >= sp.min_tokens:
             if not sp.ignore_eos and token_id in self.eos_token_ids:
-                self.finish_seq(seq, "stop")
-                return
+                return "stop", None
             if token_id in sp.stop_token_ids:
-                self.finish_seq(seq, "stop", stop_reason=token_id)
-                return
+                return "stop", token_id
         # min_tokens never outlasts the context: max_model_len always ends the sequence.
         if (sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens) \
                 or seq.num_tokens >= self.max_model_len:
-            self.finish_seq(seq, "length")
+            return "length", None
+        return None
 
 
 def _chunk_limit(seq: Sequence, budget: int) -> int:

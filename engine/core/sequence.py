@@ -67,6 +67,12 @@ class Sequence:
         # sampling_params.bad_words as token id sequences (tokenized once by the engine; shared by
         # the request's n sequences): the sampler bans each one's last token after the others.
         self.bad_words_token_ids: list[list[int]] = []
+        # Speculative decoding (engine/spec_decode): tokens proposed to follow the last one, set by
+        # the engine after each step and verified by the next; the scheduler takes them when it
+        # schedules the sequence (SchedulerOutput.spec_token_ids).
+        self.spec_token_ids: list[int] = []
+        # Tokens appended by the last processed step: 1, or more when draft tokens were accepted.
+        self.num_new_tokens = 0
 
     # -- token views -------------------------------------------------------
     @property

@@ -96,3 +96,37 @@ class StatsLog:
             queued_time=scheduled - metrics.arrival_time, prefill_time=max(first - scheduled, 0.0),
             decode_time=decode, inference_time=max(last - scheduled, 0.0), num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=sum(num_tokens), time_per_output_token=tpot))
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's lifetime counters, with vLLM's names and meanings (a draft is one
+    sequence's drafts verified in one step; accepted tokens exclude the bonus token)."""
+
+    num_spec_tokens: int                 # k: drafts per step at most
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position i
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):  # the accepted ones are a prefix: positions 0 .. n - 1
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def as_dict(self) -> dict[str, float]:
+        """get_stats()'s keys: spec_decode_num_drafts, ..., spec_decode_num_accepted_tokens_per_pos_<i>."""
+        out = {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+               "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+        for i, n in enumerate(self.num_accepted_tokens_per_pos):
+            out[f"{SPEC_DECODE_PER_POS_KEY}{i}"] = n
+        return out
+
+
+SPEC_DECODE_PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos_"  # + position, in get_stats()

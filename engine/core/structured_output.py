@@ -5,6 +5,8 @@
     new_matcher(c)       one Matcher per sequence; it lives on the Sequence, so it survives preemption
     fill_bitmask(...)    step loop; int32 [num_seqs, ceil(vocab/32)], applied to the logits first
     follow(token_ids)    after each sampled token; is_finished() then says whether the document is done
+    draft_prefix(d)      speculative decoding: how many of a draft's tokens the grammar takes, and
+    draft_masks(d)       the mask of every verified position; both leave the matcher as it was
 
 On top of the grammar, constrained rows never allow special tokens other than the stop tokens,
 and JSON rows no tokens with raw control bytes (see `_writable_token_ids`).
@@ -57,14 +59,44 @@ class Matcher:
         self._reasoning_parser = reasoning_parser
         self.reasoning_ended = reasoning_ended  # False while a reasoning model is still thinking
 
-    def follow(self, token_ids: list[int]) -> None:
-        """Take the sequence's newest token (token_ids: prompt + output so far)."""
+    def follow(self, token_ids: list[int], position: int = -1) -> None:
+        """Take the sequence's token at `position` (default its newest; token_ids: prompt + output)."""
         if self.reasoning_ended:
-            self.accept_token(token_ids[-1])
+            self.accept_token(token_ids[position])
             return
         # The thinking ends only with the end token, which this grammar never sees.
         parser = self._reasoning_parser
-        self.reasoning_ended = token_ids[-1] == parser.end_token_id and parser.is_reasoning_end(token_ids)
+        end = len(token_ids) if position == -1 else position + 1
+        self.reasoning_ended = token_ids[end - 1] == parser.end_token_id and parser.is_reasoning_end(token_ids[:end])
+
+    def draft_prefix(self, draft_token_ids: list[int]) -> int:
+        """How many leading draft tokens the grammar takes, stopping before a stop token (the
+        verification's last row samples that); 0 while the thinking goes on. State unchanged."""
+        if not self.reasoning_ended:
+            return 0
+        n = 0
+        for token_id in draft_token_ids:
+            if not self._matcher.accept_token(token_id):
+                break
+            if self._matcher.is_terminated():
+                self._matcher.rollback(1)
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def draft_masks(self, draft_token_ids: list[int]) -> torch.Tensor:
+        """int32 [len(drafts) + 1, num_words]: row i allows what may follow the first i drafts,
+        which the grammar must take (draft_prefix cut them so). State unchanged."""
+        masks = torch.empty((len(draft_token_ids) + 1, self._mask.shape[1]), dtype=torch.int32)
+        for i, token_id in enumerate(draft_token_ids):
+            self._matcher.fill_next_token_bitmask(masks, i)
+            if not self._matcher.accept_token(token_id):
+                raise RuntimeError(f"draft token {token_id} is not allowed by the grammar (draft_prefix cuts it)")
+        self._matcher.fill_next_token_bitmask(masks, len(draft_token_ids))
+        self._matcher.rollback(len(draft_token_ids))
+        return _keep_writable(masks, self._writable_words)
 
     def accept_token(self, token_id: int) -> None:
         if not self._matcher.accept_token(token_id):
@@ -206,6 +238,18 @@ class StructuredOutputManager:
             index = torch.tensor(rows)
             bitmask.index_copy_(0, index, _keep_writable(bitmask.index_select(0, index), writable))
         return bitmask
+
+    def fill_bitmask_rows(self, matchers: list[Matcher | None], drafts: list[list[int]]) -> torch.Tensor:
+        """fill_bitmask with a row per verified position (speculative decoding): a sequence with k
+        draft tokens gets k + 1 rows, its grammar's masks after each draft; the others one row each."""
+        bitmask = self.fill_bitmask(matchers)
+        parts = []
+        for i, (matcher, draft) in enumerate(zip(matchers, drafts)):
+            if draft and matcher is not None and matcher.reasoning_ended and not matcher.is_finished():
+                parts.append(matcher.draft_masks(draft))
+            else:
+                parts.append(bitmask[i:i + 1].expand(len(draft) + 1, -1))
+        return torch.cat(parts)
 
     def _fill_serial(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         for matcher, i in zip(matchers, rows):

@@ -29,6 +29,7 @@ from engine.math_utils import cdiv
 from engine.models import get_model_class
 from engine.core.kv_cache_groups import group_num_blocks, kv_cache_groups, split_kv_budget
 from engine.core.messages import ModelInput, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from engine.worker.rejection_sampler import RejectionSampler, VerifiedTokens
 from engine.worker.sampler import SampledTokens, Sampler, compute_prompt_logprobs
 from engine.core.sequence import Sequence
 
@@ -64,6 +65,7 @@ class ModelRunner:
                 assert self.attn_layers[i].sliding_window == group.sliding_window, (i, group)
                 self.attn_layers[i].kv_group = g
         self.sampler = Sampler(eos_token_ids=eos_token_ids, seed=config.seed, device=self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler)  # steps with draft tokens (speculation)
         # Every TP rank must hold the same number of blocks: take the smallest any rank can afford.
         # num_kv_blocks is the first KV cache group's pool; the others follow from it (kv_cache_groups.py).
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
@@ -228,15 +230,20 @@ class ModelRunner:
         device, where the next step's forward takes the input ids of its decodes from."""
         so, logits = handle.scheduler_output, handle.logits
         seqs = so.sampled_seqs
-        if logits is not None and logits.shape[0] > len(seqs):  # the rows after the sampled ones
-            handle.prompt_logprobs = self._prompt_logprobs(logits[len(seqs):], so)
-            logits = logits[:len(seqs)]
+        num_sample_rows = len(seqs) + so.num_spec_tokens
+        if logits is not None and logits.shape[0] > num_sample_rows:  # the rows after the sampled ones
+            handle.prompt_logprobs = self._prompt_logprobs(logits[num_sample_rows:], so)
+            logits = logits[:num_sample_rows]
         handle.logits = None  # [rows, vocab]: not kept alive past sampling
         if logits is None or not seqs:
             return handle
         if allowed_token_bitmask is not None:
             allowed_token_bitmask = allowed_token_bitmask.to(self.device, non_blocking=True)
-        handle.sampled = self.sampler.sample(logits, seqs, allowed_token_bitmask)
+        if so.spec_token_ids:
+            drafts = [so.spec_token_ids.get(seq.seq_id, []) for seq in seqs]
+            handle.sampled = self.rejection_sampler(logits, seqs, drafts, allowed_token_bitmask)
+        else:
+            handle.sampled = self.sampler.sample(logits, seqs, allowed_token_bitmask)
         handle.sampled.start_copy()
         self._prev_sampled = handle.sampled.token_ids
         self._prev_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
@@ -247,9 +254,7 @@ class ModelRunner:
         """Wait for the step's tokens on the host."""
         if handle.sampled is None:
             return ModelRunnerOutput(sampled_token_ids=[], prompt_logprobs=handle.prompt_logprobs)
-        token_ids, logprobs = handle.sampled.to_host()
-        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs,
-                                 prompt_logprobs=handle.prompt_logprobs)
+        return handle.sampled.to_runner_output(handle.prompt_logprobs)
 
     @torch.inference_mode()
     def run_model(self, mi: ModelInput) -> torch.Tensor | None:
@@ -321,11 +326,17 @@ class ModelRunner:
         bs = self.block_size
         mi = ModelInput([], [], [], [], [], list(so.num_scheduled_tokens), [])
         num_rows = 0
+        spec = so.spec_token_ids
         for seq, start, n, samples in zip(so.seqs, so.num_computed_tokens, so.num_scheduled_tokens,
                                           so.sample_flags):
             end = start + n
             mi.input_ids.extend(seq.token_ids[start:end])
-            if end > seq.num_tokens:  # a decode of the previous step's token, not back on the host yet
+            drafts = spec.get(seq.seq_id) if spec else None
+            if drafts:  # [last token, d_1 .. d_k]: every row samples (engine/worker/rejection_sampler.py)
+                assert end == seq.num_tokens + len(drafts), (seq, start, n, drafts)
+                mi.input_ids.extend(drafts)
+                mi.sample_rows.extend(range(num_rows, num_rows + n - 1))
+            elif end > seq.num_tokens:  # a decode of the previous step's token, not back on the host yet
                 assert end == seq.num_tokens + 1, (seq, start, n)
                 mi.prev_token_rows.append(num_rows + n - 1)
                 mi.prev_token_src.append(self._prev_rows[seq.seq_id])
@@ -361,7 +372,7 @@ class StepHandle:
 
     scheduler_output: SchedulerOutput
     logits: torch.Tensor | None        # [num_sample_rows (+ prompt logprob rows), vocab] until sampled
-    sampled: SampledTokens | None = None
+    sampled: SampledTokens | VerifiedTokens | None = None
     prompt_logprobs: dict[int, list[SampleLogprobs]] | None = None
 
 

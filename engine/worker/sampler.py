@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.messages import SampleLogprobs
+from engine.core.messages import ModelRunnerOutput, SampleLogprobs
 from engine.core.sequence import Sequence
 from engine.worker.forward_context import to_device
 from engine.worker.logits_controls import RowGuard, TokenControls, apply_bad_words
@@ -49,7 +49,7 @@ class Sampler:
             device = torch.device(device)
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())  # match logits.device
-            self._engine_generator(device)
+            self.engine_generator(device)
 
     def free(self, seq_id: int) -> None:
         """Forget a finished sequence's generator and token controls."""
@@ -70,7 +70,7 @@ class Sampler:
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         if not seqs:
             return SampledTokens(torch.empty(0, dtype=torch.long, device=logits.device))
-        if allowed_token_bitmask is None and _plain_greedy(seqs):
+        if allowed_token_bitmask is None and is_plain_greedy(seqs):
             # No stage would change the logits: argmax of the model's own logits, no copy.
             return SampledTokens(logits.argmax(dim=-1))
         # [num_seqs, vocab], a contiguous float32 copy: the stages below work in place.
@@ -82,15 +82,15 @@ class Sampler:
         # vLLM V1's default (logprobs_mode="raw_logprobs"): logprobs of the model's distribution
         # under the grammar, before the request's own edits, penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        self._process_logits(logits, seqs)
+        self.process_logits(logits, seqs)
         sampled = self._sample(logits, seqs)  # [num_seqs] int64
         if raw_logprobs is None:
             return SampledTokens(sampled)
         ks = [p.logprobs for p in params]
-        return SampledTokens(sampled, _pack_logprob_records(sampled, raw_logprobs, ks), ks)
+        return SampledTokens(sampled, pack_logprob_records(sampled, raw_logprobs, ks), ks)
 
     # -- stages ------------------------------------------------------------
-    def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """The request's own edits and the penalties, in place, in vLLM V1's order."""
         guard = RowGuard(logits, seqs)
         self.token_controls.apply_allowed_token_ids(logits, seqs)
@@ -123,6 +123,17 @@ class Sampler:
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)
+        probs = self.sampling_probs(logits, params, greedy)
+        sampled = self._exponential_race(probs, seqs, greedy)
+        if any(greedy):
+            is_greedy = to_device([float(g) for g in greedy], torch.float32, logits.device)
+            sampled = torch.where(is_greedy > 0.5, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def sampling_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:
+        """[rows, vocab] processed logits -> [rows, vocab] unnormalised probabilities: temperature,
+        top-k, top-p, min-p."""
         vocab = logits.shape[1]
         # Greedy rows get neutral knobs: their random sample is computed, then discarded.
         knobs = to_device([
@@ -130,9 +141,8 @@ class Sampler:
             [float(vocab if g or p.top_k == 0 else min(p.top_k, vocab)) for p, g in zip(params, greedy)],
             [1.0 if g else p.top_p for p, g in zip(params, greedy)],
             [0.0 if g else p.min_p for p, g in zip(params, greedy)],
-            [float(g) for g in greedy],
-        ], torch.float32, logits.device)  # [5, num_seqs]
-        temperature, top_k, top_p, min_p, is_greedy = knobs
+        ], torch.float32, logits.device)  # [4, num_seqs]
+        temperature, top_k, top_p, min_p = knobs
         sampling = [p for p, g in zip(params, greedy) if not g]
         use_top_k = any(p.top_k > 0 for p in sampling)
         use_top_p = any(p.top_p < 1.0 for p in sampling)
@@ -144,10 +154,7 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in sampling):
             apply_min_p(probs, min_p)
-        sampled = self._exponential_race(probs, seqs, greedy)
-        if any(greedy):
-            sampled = torch.where(is_greedy > 0.5, logits.argmax(dim=-1), sampled)
-        return sampled
+        return probs
 
     def _exponential_race(self, probs: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         """argmax(probs / E), E ~ Exp(1): a categorical sample that needs no normalised probs.
@@ -157,22 +164,22 @@ class Sampler:
         seeded = [i for i, (s, g) in enumerate(zip(seqs, greedy)) if s.sampling_params.seed is not None and not g]
         q = torch.empty_like(probs)
         if len(seeded) < greedy.count(False):
-            q.exponential_(generator=self._engine_generator(probs.device))
+            q.exponential_(generator=self.engine_generator(probs.device))
         else:
             q.fill_(1.0)  # only greedy rows left over; their result is discarded
         for i in seeded:
-            q[i].exponential_(generator=self._seq_generator(seqs[i], probs.device))
+            q[i].exponential_(generator=self.seq_generator(seqs[i], probs.device))
         # An exact 0 would turn a masked (p=0) token into 0/0 = NaN, which argmax picks.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         return probs.div_(q).argmax(dim=-1)
 
-    def _engine_generator(self, device: torch.device) -> torch.Generator:
+    def engine_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.seed & _U64)
         return self._generator
 
-    def _seq_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+    def seq_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
             # + index: the n completions of one seeded request differ, yet each is reproducible.
@@ -282,7 +289,7 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 # -- helpers -------------------------------------------------------------------
-def _plain_greedy(seqs: list[Sequence]) -> bool:
+def is_plain_greedy(seqs: list[Sequence]) -> bool:
     """Every row is greedy with no logprobs, no penalties, no token edits and no min_tokens still
     in force: then the sampled token is the argmax of the raw logits (the usual offline batch)."""
     for seq in seqs:
@@ -324,7 +331,7 @@ class SampledTokens:
     """
 
     token_ids: torch.Tensor                    # [num_seqs] int64
-    packed_logprobs: torch.Tensor | None = None  # [num_seqs, 3 + 2*max_k] float64, see _pack_logprob_records
+    packed_logprobs: torch.Tensor | None = None  # [num_seqs, 3 + 2*max_k] float64, see pack_logprob_records
     ks: list[int | None] | None = None         # top-k per row, None = no record
     _host: list | None = None                  # pinned copies of the two tensors above, once started
     _event: torch.cuda.Event | None = None
@@ -332,11 +339,7 @@ class SampledTokens:
     def start_copy(self) -> None:
         if self.token_ids.device.type != "cuda" or self._host is not None:
             return
-        tensors = [t for t in (self.token_ids, self.packed_logprobs) if t is not None]
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                      for t in tensors]
-        self._event = torch.cuda.Event()
-        self._event.record()
+        self._host, self._event = start_host_copy([self.token_ids, self.packed_logprobs])
 
     def to_host(self) -> tuple[list[int], list[SampleLogprobs | None] | None]:
         """Wait for the copy; (token ids, logprob records or None)."""
@@ -347,16 +350,29 @@ class SampledTokens:
             token_ids, packed = self.token_ids, self.packed_logprobs
         if packed is None:
             return token_ids.tolist(), None
-        return _unpack_logprob_records(packed.tolist(), self.ks)
+        return unpack_logprob_records(packed.tolist(), self.ks)
+
+    def to_runner_output(self, prompt_logprobs=None) -> ModelRunnerOutput:
+        token_ids, logprobs = self.to_host()
+        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def start_host_copy(tensors: list[torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+    """Queue pinned-memory copies of the (CUDA) tensors that are not None, and an event after them."""
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors if t is not None]
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def _logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[int | None],
                      ) -> tuple[list[int], list[SampleLogprobs | None]]:
     """token_ids: [num_rows]; logprobs: [num_rows, vocab]; ks[i]: top-k of row i, None = no record."""
-    return _unpack_logprob_records(_pack_logprob_records(token_ids, logprobs, ks).tolist(), ks)
+    return unpack_logprob_records(pack_logprob_records(token_ids, logprobs, ks).tolist(), ks)
 
 
-def _pack_logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[int | None]) -> torch.Tensor:
+def pack_logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: list[int | None]) -> torch.Tensor:
     """The records as one device tensor [num_rows, 3 + 2*max_k], so one copy brings them all back."""
     max_k = min(max(k or 0 for k in ks), logprobs.shape[1])
     token_logprob = logprobs.gather(1, token_ids.unsqueeze(1))        # [num_rows, 1]
@@ -370,7 +386,7 @@ def _pack_logprob_records(token_ids: torch.Tensor, logprobs: torch.Tensor, ks: l
     return torch.cat(columns, dim=1)
 
 
-def _unpack_logprob_records(packed: list[list[float]], ks: list[int | None],
+def unpack_logprob_records(packed: list[list[float]], ks: list[int | None],
                             ) -> tuple[list[int], list[SampleLogprobs | None]]:
     max_k = (len(packed[0]) - 3) // 2 if packed else 0
     ids = [int(row[0]) for row in packed]
