@@ -96,6 +96,27 @@ def test_one_batch_mixes_base_and_two_adapters(lora_llm, adapters):
     _check(outs, prompts, names, adapters)
 
 
+def test_speculative_decoding_with_adapters_gives_the_tokens_without_it(lora_llm, adapters):
+    """N-gram drafts verified through the adapters' deltas (k + 1 rows per sequence in each adapter's
+    slot): the same greedy tokens as without speculation, base and two adapters in one batch. The
+    output is kept to 16 one-letter tokens, over which greedy text soon cycles, so drafts are
+    accepted (tests/test_spec_decode.py)."""
+    letters = list(range(40, 56))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, allowed_token_ids=letters)
+    span = _prompts(1, 9)[0]
+    prompts = [span * 3, _prompts(2)[1], span * 2 + span[:4]]
+    loras = [adapters[n][0] for n in ("a", "base", "b")]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False, lora_request=loras)]
+    with LLM(lora_llm.llm_engine.config.model, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+             block_size=16, speculative_config=ngram) as spec_llm:
+        assert run(spec_llm) == run(lora_llm)
+        assert spec_llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 class EagerReplayRunner(CUDAGraphRunner):
     """CUDAGraphRunner without CUDA: capture records nothing, and a replay runs the model eagerly on
     the static buffers, as the captured graph would (the decode steps' inputs, padding rows and the
