@@ -1,7 +1,8 @@
 """Scheduler property test: random add / step / abort sequences (n > 1 siblings sharing a prompt,
-prefix-cache hits, preemption when a small cache runs out), invariants after every step (blocks
-conserved and never owned twice, ref counts never negative, KV contents, the prefix-cache
-counters equal to the tokens really reused, finish reasons), and everything free at the end.
+prefix-cache hits, preemption when a small cache runs out, either scheduling policy with random
+priorities), invariants after every step (blocks conserved and never owned twice, ref counts
+never negative, KV contents, the prefix-cache counters equal to the tokens really reused, finish
+reasons), and everything free at the end.
 
 With `overlap`, the harness drives the scheduler as the engine's overlapped scheduling does:
 step N+1 is scheduled (and its fake forward run) before step N's tokens are given back."""
@@ -25,7 +26,7 @@ P_LEN = 24                      # max_model_len of the property test
 _STEM = [0, 1, 2, 3, 1, 0, 2, 1] * 3
 _prompt = st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), max_size=6)).map(lambda t: _STEM[:t[0]] + t[1])
 _add = st.tuples(st.just("add"), _prompt, st.integers(1, 8) | st.integers(1, 8) | st.none(),
-                 st.integers(1, 3), st.integers(0, 3), st.booleans(), st.booleans())
+                 st.integers(1, 3), st.integers(0, 3), st.booleans(), st.booleans(), st.integers(0, 2))
 _step = st.tuples(st.just("step"), st.integers(0, 2**31), st.booleans())
 _drain = st.tuples(st.just("drain"))  # an idle engine processes its last launched step
 _abort = st.tuples(st.just("abort"), st.integers(0, 99))
@@ -35,9 +36,10 @@ class Harness:
     """Drives a Scheduler with a fake model that also keeps a fake KV cache: every slot holds the
     token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught."""
 
-    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False):
+    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False, policy="fcfs"):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS])
+        self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS], policy=policy)
+        self.policy = policy
         self.kv: dict[int, tuple[int, ...]] = {}
         self.seqs: list[Sequence] = []
         self.request_ids: list[str] = []
@@ -47,11 +49,12 @@ class Harness:
         self.overlap = overlap
         self.pending = None  # (SchedulerOutput, sampled ids) of the launched, unprocessed step
 
-    def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop):
+    def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop, priority):
         sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens or min_tokens),
                             ignore_eos=ignore_eos, stop_token_ids=[P_STOP] if stop else [])
         rid = f"r{len(self.request_ids)}"
-        seqs = [Sequence(rid, prompt, sp, index=i) for i in range(n)]
+        priority = priority if self.policy == "priority" else 0
+        seqs = [Sequence(rid, prompt, sp, index=i, priority=priority) for i in range(n)]
         for s in seqs[1:]:
             s.prefix_source = seqs[0]
         num_out = P_LEN - len(prompt) if max_tokens is None else max_tokens
@@ -153,6 +156,9 @@ class Harness:
         owned = {b for s in sched.running for b in s.block_table}
         assert len(owned) + self.bm.get_num_free_blocks() == self.bm.num_blocks, "blocks not conserved"
         assert all(len(set(s.block_table)) == len(s.block_table) for s in sched.running)
+        if self.policy == "priority":  # the last running sequence is the one preempted first
+            keys = [(s.priority, s.arrival_time, s.seq_id) for s in sched.running]
+            assert keys == sorted(keys), keys
         self.bm.check_invariants(list(sched.running) + list(sched.waiting))
         holders: dict[int, list[tuple[Sequence, int]]] = {}
         for seq in sched.running:
@@ -183,9 +189,9 @@ class Harness:
 @given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort, _drain), max_size=40),
        num_blocks=st.integers(5, 10) | st.integers(2, 24),  # small caches preempt often
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
-       caching=st.booleans(), overlap=st.booleans())
-def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap):
-    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap)
+       caching=st.booleans(), overlap=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy):
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy)
     for op, *args in ops:
         if op == "add":
             h.add(*args)

@@ -213,6 +213,7 @@ ENGINE_VALUES = {
     "async_scheduling": False, "distributed_init_method": "tcp://127.0.0.1:29555", "worker_start_timeout_s": 30.0,
     "reasoning_parser": "qwen3", "quantization": "int8", "kv_cache_dtype": "fp8",
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 32, "max_cpu_loras": 8,
+    "scheduling_policy": "priority",
 }
 
 

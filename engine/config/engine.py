@@ -20,6 +20,9 @@ DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("triton", "torch")     # engine/layers/attention.py loads their kernels
 # vLLM's names: "auto" = the model's dtype; "fp8" and "fp8_e4m3" = float8_e4m3fn, per-tensor scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's --scheduling-policy (engine/core/request_queue.py): arrival order, or each request's
+# `priority` (lower first, arrival order within a level).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
 # Pages are only touched when used, so an unused budget costs address space, not RAM.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
@@ -55,6 +58,9 @@ class EngineConfig:
     # half fp16's bytes per block, so twice the blocks fit the same budget.
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # "priority": requests carry a `priority` (lower runs first; docs/fleet.md), and a waiting
+    # request may preempt a running one of lower priority. "fcfs" refuses a priority other than 0.
+    scheduling_policy: str = "fcfs"
     # Overlapped scheduling: plan and launch step N+1 before step N's tokens are read back.
     # None: on for CUDA with tensor_parallel_size 1 (on CPU the forward is synchronous, so there
     # is nothing to overlap). True with tensor_parallel_size > 1 is refused.
@@ -77,6 +83,7 @@ class EngineConfig:
         _choice("device", self.device, ("auto",) + DEVICES)
         _choice("attention_backend", self.attention_backend, ("auto",) + ATTENTION_BACKENDS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)

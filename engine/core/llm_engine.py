@@ -55,7 +55,8 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len, block_manager=self.block_manager,
                                    eos_token_ids=self.eos_token_ids,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   policy=config.scheduling_policy)
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
@@ -67,17 +68,19 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> RequestState:
+                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                     priority: int = 0) -> RequestState:
         """Tokenize and validate; touches no engine state, so a caller may run it on any thread."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_priority(priority)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
         if lora_request is not None:
             self._check_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, lora_request=lora_request)
-                for i in range(params.n)]
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, lora_request=lora_request,
+                         priority=priority) for i in range(params.n)]
         for sib in seqs[1:]:
             sib.prefix_source = seqs[0]
         if params.bad_words:
@@ -107,8 +110,9 @@ class LLMEngine:
         self.requests[state.request_id] = state
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add_request_state(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        self.add_request_state(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time,
+                                                 priority=priority))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free; returns the request's final output (finish_reason "abort"), or None if unknown."""
@@ -267,6 +271,14 @@ class LLMEngine:
         self._check_token_ids("logit_bias", params.logit_bias or ())
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+
+    def _check_priority(self, priority) -> None:
+        """An int; other than 0 only under scheduling_policy="priority" (as vLLM refuses it)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer", param="priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority={priority} needs scheduling_policy='priority'; this engine "
+                                      f"runs {self.config.scheduling_policy!r}", param="priority")
 
     def _check_lora(self, lora_request: LoRARequest) -> None:
         """The adapter is one the engine runs (engine/lora/peft_adapter.py); ValueError naming it if not."""
