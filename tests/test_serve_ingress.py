@@ -51,6 +51,7 @@ class FakeEngine:
 
     def __init__(self):
         self.streams: list[FakeStream] = []
+        self.requests = []  # the EngineRequests it was sent
         self.finish = False  # whether a stream ends after its first token, or goes on
         self.generate = self  # handle.generate.options(stream=True).remote(request)
         self.model_info = SimpleNamespace(remote=self._model_info)
@@ -59,6 +60,7 @@ class FakeEngine:
         return self
 
     def remote(self, request):
+        self.requests.append(request)
         items = [StreamItem(deltas=[Delta(0, "Hi", [5], finish_reason="length" if self.finish else None)],
                             num_prompt_tokens=3, finished=self.finish)]
         self.streams.append(FakeStream(items))
@@ -234,3 +236,24 @@ def test_a_colocated_ingress_runs_the_engine_it_is_handed(start_ingress):
     assert answer[0]["status"] == 200 and json.loads(answer[1]["body"])["choices"][0]["text"] == "Hi"
     assert stats["streaming"]["stream_interval_ms"] == 5.0
     assert ingress.batching.max_batch_size == 4  # the refused configs changed nothing of the Ingress's
+
+
+@pytest.mark.parametrize("payload, priority", [({}, 0), ({"priority": -2}, -2), ({"priority": 7}, 7)])
+def test_request_priority_reaches_the_engine_request(start_ingress, payload, priority):
+    """vLLM's `priority` field travels in the EngineRequest (the engine refuses it under fcfs)."""
+    async def run():
+        engine = FakeEngine()
+        engine.finish = True
+        ingress = await start_ingress(engine)
+        return engine, await _post(ingress, {"stream": False, **payload})
+
+    engine, answer = asyncio.run(run())
+    assert answer[0]["status"] == 200 and [r.priority for r in engine.requests] == [priority]
+
+
+def test_a_priority_that_is_not_an_integer_is_a_400(start_ingress):
+    async def run():
+        return await _post(await start_ingress(FakeEngine()), {"priority": "high"})
+
+    answer = asyncio.run(run())
+    assert answer[0]["status"] == 400 and json.loads(answer[1]["body"])["error"]["param"] == "priority"

@@ -50,6 +50,7 @@ class EngineRequest:
     batch_id: str | None = None     # the Ingress micro-batch it came in: one engine replica per batch
     stream: bool = False            # the client streams: the guardrail passes tokens on as they come
     output: OutputSpec | None = None  # chat: how to read the text (reasoning, tool calls); the guard's contract
+    priority: int = 0               # the request's scheduling priority (engine scheduling_policy="priority")
 
 
 @dataclass
