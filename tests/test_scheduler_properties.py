@@ -1,8 +1,9 @@
 """Scheduler property test: random add / step / abort sequences (n > 1 siblings sharing a prompt,
 prefix-cache hits, preemption when a small cache runs out, either scheduling policy with random
-priorities), invariants after every step (blocks conserved and never owned twice, ref counts
-never negative, KV contents, the prefix-cache counters equal to the tokens really reused, finish
-reasons), and everything free at the end.
+priorities, a host KV tier behind the prefix cache), invariants after every step (blocks
+conserved and never owned twice, ref counts never negative, KV contents, swapped-in blocks
+included, the prefix-cache counters equal to the tokens really reused, finish reasons), and
+everything free at the end.
 
 With `overlap`, the harness drives the scheduler as the engine's overlapped scheduling does:
 step N+1 is scheduled (and its fake forward run) before step N's tokens are given back."""
@@ -14,6 +15,7 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from engine.core.block_manager import BlockManager
+from engine.core.kv_offload import OffloadingBlockManager
 from engine.core.messages import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -34,10 +36,17 @@ _abort = st.tuples(st.just("abort"), st.integers(0, 99))
 
 class Harness:
     """Drives a Scheduler with a fake model that also keeps a fake KV cache: every slot holds the
-    token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught."""
+    token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught.
+    With host blocks, the step's swaps copy those fake slots to and from a fake host tier first."""
 
-    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False, policy="fcfs"):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False, policy="fcfs",
+                 host_blocks=0):
+        if host_blocks:
+            self.bm = OffloadingBlockManager(num_blocks, block_size, host_blocks)
+            caching = True
+        else:
+            self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.host_kv: dict[int, tuple[int, ...] | None] = {}
         self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS], policy=policy)
         self.policy = policy
         self.kv: dict[int, tuple[int, ...]] = {}
@@ -81,6 +90,7 @@ class Harness:
         self._count_reuse([(s, start) for s, start in zip(out.seqs, out.num_computed_tokens) if s in waiting])
         if out.preempted:
             event("preempted")
+        self._swap(out)
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             self._run_model(seq, start, n)
         sampled = [rng.randrange(VOCAB) for f in out.sample_flags if f]
@@ -92,6 +102,17 @@ class Harness:
         else:
             self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         self._check_state()
+
+    def _swap(self, out):
+        """The host tier's copies, as the worker runs them before the forward: outs, then ins."""
+        bs = self.bm.block_size
+        for device_block, host_block in out.blocks_to_swap_out:
+            for off in range(bs):
+                self.host_kv[host_block * bs + off] = self.kv.get(device_block * bs + off)
+        for host_block, device_block in out.blocks_to_swap_in:
+            event("swapped in from the host tier")
+            for off in range(bs):
+                self.kv[device_block * bs + off] = self.host_kv.get(host_block * bs + off)
 
     def drain(self):
         if self.pending is not None:
@@ -189,9 +210,11 @@ class Harness:
 @given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort, _drain), max_size=40),
        num_blocks=st.integers(5, 10) | st.integers(2, 24),  # small caches preempt often
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
-       caching=st.booleans(), overlap=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy):
-    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy)
+       caching=st.booleans(), overlap=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       host_blocks=st.sampled_from([0, 0, 1, 3, 12]))
+def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy,
+                                    host_blocks):
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy, host_blocks)
     for op, *args in ops:
         if op == "add":
             h.add(*args)

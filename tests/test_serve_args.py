@@ -214,6 +214,7 @@ ENGINE_VALUES = {
     "reasoning_parser": "qwen3", "quantization": "int8", "kv_cache_dtype": "fp8",
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 32, "max_cpu_loras": 8,
     "scheduling_policy": "priority",
+    "kv_offload_gb": 0.0,  # off (the default None picks by device); > 0 needs prefix caching, off here
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engine.core.kv_cache_groups import kv_cache_groups, make_block_manager
+from engine.core.kv_offload import offload_stats
 from engine.config import EngineConfig, ModelConfig
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -50,7 +51,7 @@ class LLMEngine:
             kv_cache_groups(self.model_config.layer_types, self.model_config.sliding_window,
                             self.model_config.num_hidden_layers),
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            config.max_num_seqs, config.max_num_batched_tokens)
+            config.max_num_seqs, config.max_num_batched_tokens, num_host_blocks=self.executor.num_host_kv_blocks)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len, block_manager=self.block_manager,
@@ -308,6 +309,7 @@ class LLMEngine:
             "num_host_waits": self.num_host_waits,
             "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
             "prefix_cache_hits": bm.num_hit_tokens,
+            **offload_stats(bm),
         }
 
     def shutdown(self) -> None:

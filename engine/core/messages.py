@@ -37,6 +37,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step (for stats)
     num_computed_tokens: list[int] = field(default_factory=list)  # each one's first position this step
     sample_flags: list[bool] = field(default_factory=list)   # its chunk reaches its last token: sample
+    # The host KV tier's copies, run before the forward, outs first (engine/core/kv_offload.py):
+    # (device block, host block) of evicted prefix blocks, (host block, device block) of host hits.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -106,3 +110,6 @@ class ModelInput:
     # ((slot, LoRARequest), planned by rank 0: engine/lora/worker_manager.py).
     lora_slots: list[int] = field(default_factory=list)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # The host KV tier's copies (SchedulerOutput's), which every rank runs on its shard first.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)

@@ -142,6 +142,8 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         self._update_after_schedule(out)
+        if out.seqs:  # else the copies wait for the next step that runs (nothing reads them before)
+            out.blocks_to_swap_out, out.blocks_to_swap_in = self.block_manager.take_swaps()
         return out
 
     @staticmethod
