@@ -6,12 +6,14 @@ before the step's forward, on every TP rank (each copies its own shard with the 
     blocks_to_swap_out  [(device block, host block)]   device -> host, first
     blocks_to_swap_in   [(host block, device block)]   host -> device, then
 
-Layout: one byte tensor, a host block contiguous across layers so that one block is one copy:
+Layout: one tensor of words, a host block contiguous across layers so that one block is one copy:
 
-    host blocks  [num_host_blocks, num_layers, 2 (K, V), block_bytes]   uint8
-    a layer's K  [num_blocks, block_size, num_kv_heads, head_dim] -> viewed [num_blocks, block_bytes]
+    host blocks  [num_host_blocks, num_layers, 2 (K, V), block_words]   int64
+    a layer's K  [num_blocks, block_size, num_kv_heads, head_dim] -> viewed [num_blocks, block_words]
 
-Bytes, not elements: any KV dtype (fp8 included) copies alike. On CUDA the copies run on a stream
+Bits, not values: any KV dtype (fp8 included) copies alike. Words rather than bytes because
+torch's CPU index_select / index_copy_ take a memcpy path for 8-byte rows, and go element by
+element for bytes. On CUDA the copies run on a stream
 of their own, after whatever the compute stream had queued (a block being evicted may still be
 written by the step in flight), and the compute stream waits for them before the forward: the
 host never waits (`cudaStreamWaitEvent`), and the host memory is pinned so the copies are
@@ -37,15 +39,15 @@ class HostKVCache:
     """The host blocks of one rank and the copies between them and the attention layers' caches."""
 
     def __init__(self, attn_layers: list, num_host_blocks: int, device: torch.device):
-        # [num_blocks, block_bytes] byte views of every layer's K and V cache: the copies' unit.
+        # [num_blocks, block_words] views of every layer's K and V cache: the copies' unit.
         self.device_blocks = [(_as_blocks(a.k_cache), _as_blocks(a.v_cache)) for a in attn_layers]
-        widths = {t.shape[1] for kv in self.device_blocks for t in kv}
+        widths = {(t.shape[1], t.dtype) for kv in self.device_blocks for t in kv}
         assert len(widths) == 1, f"every layer's block must have one size to offload, got {widths}"
-        self.block_bytes = widths.pop()
+        block_words, word = widths.pop()
         self.num_host_blocks = num_host_blocks
         self.device = device
-        shape = (num_host_blocks, len(attn_layers), 2, self.block_bytes)
-        self.blocks = allocate_kv_tensor(shape, torch.uint8, torch.device("cpu"))
+        shape = (num_host_blocks, len(attn_layers), 2, block_words)
+        self.blocks = allocate_kv_tensor(shape, word, torch.device("cpu"))
         if device.type == "cuda":
             _pin(self.blocks)
             self.stream = torch.cuda.Stream(device)
@@ -66,8 +68,13 @@ class HostKVCache:
         compute.wait_stream(self.stream)  # the forward reads (and overwrites) these blocks
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one host block: every layer's K and V."""
+        return self.blocks[0].numel() * self.blocks.element_size()
+
+    @property
     def _staging_blocks(self) -> int:
-        return max(1, MAX_STAGING_BYTES // (self.blocks.shape[1] * 2 * self.block_bytes))
+        return max(1, MAX_STAGING_BYTES // self.block_bytes)
 
     def _swap_out_cpu(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -76,7 +83,7 @@ class HostKVCache:
         dst = torch.tensor([h for _, h in pairs])
         for layer, kv in enumerate(self.device_blocks):
             for i, t in enumerate(kv):
-                self.blocks[dst, layer, i] = t[src]
+                self.blocks[:, layer, i].index_copy_(0, dst, torch.index_select(t, 0, src))
 
     def _swap_in_cpu(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -85,21 +92,21 @@ class HostKVCache:
         dst = torch.tensor([d for _, d in pairs])
         for layer, kv in enumerate(self.device_blocks):
             for i, t in enumerate(kv):
-                t.index_copy_(0, dst, self.blocks[src, layer, i])
+                t.index_copy_(0, dst, torch.index_select(self.blocks[:, layer, i], 0, src))
 
     def _swap_out_cuda(self, pairs: list[tuple[int, int]]) -> None:
         """Gather the blocks of every layer into one staging buffer on the device, then copy it to
         the host blocks: one copy per run of consecutive host ids."""
         src = to_device([d for d, _ in pairs], torch.long, self.device)
-        staging = torch.empty((len(pairs),) + self.blocks.shape[1:], dtype=torch.uint8, device=self.device)
+        staging = torch.empty((len(pairs),) + self.blocks.shape[1:], dtype=self.blocks.dtype, device=self.device)
         for layer, kv in enumerate(self.device_blocks):
             for i, t in enumerate(kv):
-                staging[:, layer, i] = t[src]
+                staging[:, layer, i] = torch.index_select(t, 0, src)
         for start, host_id, n in _runs([h for _, h in pairs]):
             self.blocks[host_id:host_id + n].copy_(staging[start:start + n], non_blocking=True)
 
     def _swap_in_cuda(self, pairs: list[tuple[int, int]]) -> None:
-        staging = torch.empty((len(pairs),) + self.blocks.shape[1:], dtype=torch.uint8, device=self.device)
+        staging = torch.empty((len(pairs),) + self.blocks.shape[1:], dtype=self.blocks.dtype, device=self.device)
         for start, host_id, n in _runs([h for h, _ in pairs]):
             staging[start:start + n].copy_(self.blocks[host_id:host_id + n], non_blocking=True)
         dst = to_device([d for _, d in pairs], torch.long, self.device)
@@ -115,8 +122,11 @@ def host_kv_blocks(kv_offload_gb: float, tp_size: int, bytes_per_block: int) -> 
 
 
 def _as_blocks(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, heads, head_dim] of any dtype -> [num_blocks, block_bytes] uint8, same memory."""
-    return cache.view(cache.shape[0], -1).view(torch.uint8)
+    """[num_blocks, block_size, heads, head_dim] of any dtype -> [num_blocks, block_words] int64, the
+    same memory (a block's bytes are a multiple of 8: EngineConfig keeps block_size one)."""
+    rows = cache.view(cache.shape[0], -1).view(torch.uint8)
+    assert rows.shape[1] % 8 == 0, f"a KV block of {rows.shape[1]} bytes is not whole 8-byte words"
+    return rows.view(torch.int64)
 
 
 def _chunks(pairs: list, size: int):
