@@ -238,22 +238,19 @@ def test_a_colocated_ingress_runs_the_engine_it_is_handed(start_ingress):
     assert ingress.batching.max_batch_size == 4  # the refused configs changed nothing of the Ingress's
 
 
-@pytest.mark.parametrize("payload, priority", [({}, 0), ({"priority": -2}, -2), ({"priority": 7}, 7)])
-def test_request_priority_reaches_the_engine_request(start_ingress, payload, priority):
-    """vLLM's `priority` field travels in the EngineRequest (the engine refuses it under fcfs)."""
+
+def test_request_priority_reaches_the_engine_request(start_ingress):
+    """vLLM's `priority` travels in the EngineRequest (the engine refuses it under fcfs); a priority
+    that is not an integer is a 400 naming it."""
     async def run():
         engine = FakeEngine()
         engine.finish = True
         ingress = await start_ingress(engine)
-        return engine, await _post(ingress, {"stream": False, **payload})
+        answers = [await _post(ingress, {"stream": False, **payload})
+                   for payload in ({}, {"priority": -2}, {"priority": 7}, {"priority": "high"})]
+        return engine, answers
 
-    engine, answer = asyncio.run(run())
-    assert answer[0]["status"] == 200 and [r.priority for r in engine.requests] == [priority]
-
-
-def test_a_priority_that_is_not_an_integer_is_a_400(start_ingress):
-    async def run():
-        return await _post(await start_ingress(FakeEngine()), {"priority": "high"})
-
-    answer = asyncio.run(run())
-    assert answer[0]["status"] == 400 and json.loads(answer[1]["body"])["error"]["param"] == "priority"
+    engine, answers = asyncio.run(run())
+    assert [a[0]["status"] for a in answers] == [200, 200, 200, 400]
+    assert [r.priority for r in engine.requests] == [0, -2, 7]
+    assert json.loads(answers[3][1]["body"])["error"]["param"] == "priority"
