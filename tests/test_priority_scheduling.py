@@ -1,10 +1,15 @@
 """Priority scheduling end to end (scheduling_policy="priority", vLLM's `priority`): a high-priority
 request submitted behind a full batch of low-priority ones finishes first, and every request's
 greedy tokens equal the fcfs engine's. The scheduler's exact orders: tests/test_scheduler_priority.py."""
+import asyncio
+import threading
+
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.entrypoints.async_llm import AsyncLLM
 
 KNOBS = dict(dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=64)
 LOW = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -69,3 +74,42 @@ def test_priority_refusals(fcfs, priority):
     assert fcfs.generate([prompt], LOW, use_tqdm=False, priority=[0])[0].outputs[0].token_ids  # 0 is fcfs's
     with pytest.raises(ValueError, match=r"scheduling_policy='lifo' is invalid: choose one of \('fcfs', 'priority'\)"):
         EngineConfig(model="unused", scheduling_policy="lifo")
+
+
+class GatedCore(EngineCore):
+    """Applies requests as they come but steps only once `gate` is set (the test queues first)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate = threading.Event()
+
+    def has_work(self) -> bool:
+        return self.gate.is_set() and super().has_work()
+
+
+def test_async_llm_takes_a_priority(tiny_llama, reference):
+    """AsyncLLM.generate(priority=...) reaches the scheduler: two requests queued on one sequence
+    slot, the later one at a higher priority, which is admitted and finishes first; each has the
+    fcfs engine's tokens."""
+    finished = []
+
+    async def run(llm):
+        async def tokens(i, prio):
+            outs = [o async for o in llm.generate({"prompt_token_ids": PROMPTS[i]}, [LOW, LOW, HIGH][i],
+                                                  f"r{i}", priority=prio)]
+            finished.append(f"r{i}")
+            return outs[-1].outputs[0].token_ids
+
+        tasks = [asyncio.create_task(tokens(0, 5)), asyncio.create_task(tokens(2, -1))]
+        core = llm._client.core
+        while llm.engine.scheduler.num_waiting < 2:  # both applied by the loop, none stepped
+            await asyncio.sleep(0.01)
+        core.gate.set()
+        core.wakeup.set()
+        return await asyncio.gather(*tasks)
+
+    config = EngineConfig(model=tiny_llama, scheduling_policy="priority", **{**KNOBS, "max_num_seqs": 1})
+    with AsyncLLM(config, engine_core_class=GatedCore) as llm:
+        assert asyncio.run(run(llm)) == [reference[0], reference[2]] and finished == ["r2", "r0"]
+        assert llm.engine.scheduler.num_preemptions == 0
+        llm.engine.block_manager.check_no_leak()
