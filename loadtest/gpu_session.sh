@@ -27,6 +27,10 @@
 #   bash loadtest/gpu_session.sh lora      # issue 35: the LoRA tests natively (Triton shrink / expand, the engine
 #                                          # with adapters eager and in CUDA graphs), then loadtest.lora_bench
 #                                          # (the engine tests write adapters with peft: gpu_wheels.sh's site)
+#   bash loadtest/gpu_session.sh kv-offload  # issue 37: the host KV tier's tests natively (copies on their own
+#                                          # stream, registered host memory), then loadtest.kv_offload_bench
+#                                          # (copy GB/s out and in, against the PCIe limit); passing it is what
+#                                          # turns DEFAULT_CUDA_KV_OFFLOAD_GB (engine/config/engine.py) on
 #   bash loadtest/gpu_session.sh quant     # issue 34: the quantized-weight tests natively (Triton FP8 block,
 #                                          # int4 and GGUF GEMMs, _scaled_mm, _int_mm), then workload B's shape
 #                                          # (Llama-3.1-8B) bf16 vs online FP8 weights, decode tok/s and roofline
@@ -123,6 +127,10 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_lora.py tests/test_layers_lora.py \
       tests/test_lora.py tests/test_config.py -k "lora" 2>&1 | tee "$out/lora_tests.log"
     python3 -m loadtest.lora_bench --out "$out/lora_bench.json" 2>&1 | tee "$out/lora_bench.log" ;;
+  kv-offload)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kv_offload.py tests/test_priority_scheduling.py \
+      2>&1 | tee "$out/kv_offload_tests.log"
+    python3 -m loadtest.kv_offload_bench --device cuda --out "$out/kv_offload_bench.json" 2>&1 | tee "$out/kv_offload_bench.log" ;;
   quant)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_kernels_fp8_gemm.py tests/test_kernels_int4_gemm.py \
       tests/test_kernels_gguf.py tests/test_quantization.py tests/test_quantization_fp8.py tests/test_quantization_int8.py \
@@ -133,6 +141,6 @@ case "$stage" in
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|lora|quant)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|lora|kv-offload|quant)"
      exit 2 ;;
 esac

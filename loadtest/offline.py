@@ -80,7 +80,7 @@ def run_ours(model_path: Path, requests: list[BenchRequest], warmup: list[BenchR
                     model=str(model_path), dtype=dtype, device="cpu", max_num_seqs=256,
                     quantization=None if quant == "none" else quant,
                     max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
-                    seed=args.seed)
+                    seed=args.seed, num_kv_blocks=args.num_kv_blocks, kv_offload_gb=args.kv_offload_gb)
         results = {name: {"weight_bytes": weight_bytes(llm)} for name, llm in engines.items()}
         for _ in range(args.rounds):
             for name, llm in engines.items():
@@ -139,7 +139,8 @@ def build_report(args, requests, shape: ModelShape, flop_rate: float, ours: Stop
         "matmul_fp32_flop_rate": flop_rate,
         "limit": {"flops": flops, "time_s": limit_s},
         "ours": {"elapsed_s": ours.wall_s, "tokens_per_s": useful / ours.wall_s, "cpu_s": ours.cpu_s,
-                 "fraction_of_limit": limit_s / ours.wall_s, "max_num_batched_tokens": args.max_num_batched_tokens},
+                 "fraction_of_limit": limit_s / ours.wall_s, "max_num_batched_tokens": args.max_num_batched_tokens,
+                 "num_kv_blocks": args.num_kv_blocks, "kv_offload_gb": args.kv_offload_gb},
         "peers": peers,
         "best_peer": best["name"] if best else None,
         "ratio_vs_best_peer": (useful / ours.wall_s) / best["tokens_per_s"] if best else None,
@@ -200,6 +201,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quantization", default="none",
                     help="our engine's quantization per dtype, comma-separated (none, int8)")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs of each of our variants, interleaved")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="our engine's KV pool in blocks (engine default: from cpu_kv_cache_gb)")
+    ap.add_argument("--kv-offload-gb", type=float, default=None,
+                    help="our engine's host KV tier in GiB (engine default: off on CPU); with a small "
+                         "--num-kv-blocks, evicted prefix blocks come back from it")
     ap.add_argument("--out", type=Path, default=Path("bench_out/offline.json"))
     offline_lora.add_lora_args(ap)
     args = ap.parse_args(argv)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, ModelConfig
+from engine.config import ATTENTION_BACKENDS, DEFAULT_CUDA_KV_OFFLOAD_GB, DEVICES, DTYPES, EngineConfig, ModelConfig
 from engine.config.sliding_window import read_layer_types
 
 
@@ -290,3 +290,32 @@ def test_sliding_window_on_an_architecture_without_it_is_refused():
     with pytest.raises(ValueError, match="sliding_window=512 is not supported for MixtralForCausalLM"):
         ModelConfig.from_hf_dict(_arch("MixtralForCausalLM", sliding_window=512, num_local_experts=4,
                                        num_experts_per_tok=2))
+
+
+def test_kv_offload_default_is_cudas_only_where_it_works(no_cuda, monkeypatch):
+    """The host KV tier: off on CPU (the cache is host memory already), DEFAULT_CUDA_KV_OFFLOAD_GB
+    on CUDA (0 until gpu_session.sh kv-offload has passed) unless prefix caching is off or a layer
+    slides; an explicit size is kept."""
+    mistral = ModelConfig.from_hf_dict(_arch("MistralForCausalLM", sliding_window=512))
+    assert EngineConfig(model="m").resolve(model_config()).kv_offload_gb == 0
+    assert EngineConfig(model="m", kv_offload_gb=0.5).resolve(model_config()).kv_offload_gb == 0.5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig(model="m").resolve(model_config()).kv_offload_gb == DEFAULT_CUDA_KV_OFFLOAD_GB
+    assert EngineConfig(model="m", enable_prefix_caching=False).resolve(model_config()).kv_offload_gb == 0
+    assert EngineConfig(model="m").resolve(mistral).kv_offload_gb == 0
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(kv_offload_gb=-1.0), r"kv_offload_gb=-1.0 is invalid: must be >= 0 \(0: off\)"),
+    (dict(kv_offload_gb=2.0, enable_prefix_caching=False), "kv_offload_gb=2.0 needs enable_prefix_caching=True"),
+])
+def test_kv_offload_refusals_name_the_combination(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **kw)
+
+
+def test_kv_offload_with_sliding_window_layers_is_refused(no_cuda):
+    mistral = ModelConfig.from_hf_dict(_arch("MistralForCausalLM", sliding_window=512))
+    with pytest.raises(ValueError, match="kv_offload_gb=1.0 is not supported with sliding-window attention "
+                                         r"\(MistralForCausalLM has sliding layers\)"):
+        EngineConfig(model="m", kv_offload_gb=1.0).resolve(mistral)

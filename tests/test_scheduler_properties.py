@@ -1,7 +1,9 @@
 """Scheduler property test: random add / step / abort sequences (n > 1 siblings sharing a prompt,
-prefix-cache hits, preemption when a small cache runs out), invariants after every step (blocks
-conserved and never owned twice, ref counts never negative, KV contents, the prefix-cache
-counters equal to the tokens really reused, finish reasons), and everything free at the end.
+prefix-cache hits, preemption when a small cache runs out, either scheduling policy with random
+priorities, a host KV tier behind the prefix cache), invariants after every step (blocks
+conserved and never owned twice, ref counts never negative, KV contents, swapped-in blocks
+included, the prefix-cache counters equal to the tokens really reused, finish reasons), and
+everything free at the end.
 
 With `overlap`, the harness drives the scheduler as the engine's overlapped scheduling does:
 step N+1 is scheduled (and its fake forward run) before step N's tokens are given back.
@@ -19,6 +21,7 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from engine.core.block_manager import BlockManager
+from engine.core.kv_offload import OffloadingBlockManager
 from engine.core.messages import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -31,7 +34,7 @@ P_LEN = 24                      # max_model_len of the property test
 _STEM = [0, 1, 2, 3, 1, 0, 2, 1] * 3
 _prompt = st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), max_size=6)).map(lambda t: _STEM[:t[0]] + t[1])
 _add = st.tuples(st.just("add"), _prompt, st.integers(1, 8) | st.integers(1, 8) | st.none(),
-                 st.integers(1, 3), st.integers(0, 3), st.booleans(), st.booleans())
+                 st.integers(1, 3), st.integers(0, 3), st.booleans(), st.booleans(), st.integers(0, 2))
 _step = st.tuples(st.just("step"), st.integers(0, 2**31), st.booleans())
 _drain = st.tuples(st.just("drain"))  # an idle engine processes its last launched step
 _abort = st.tuples(st.just("abort"), st.integers(0, 99))
@@ -39,11 +42,19 @@ _abort = st.tuples(st.just("abort"), st.integers(0, 99))
 
 class Harness:
     """Drives a Scheduler with a fake model that also keeps a fake KV cache: every slot holds the
-    token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught."""
+    token prefix it was computed for, so reading a wrong (or stale, or foreign) block is caught.
+    With host blocks, the step's swaps copy those fake slots to and from a fake host tier first."""
 
-    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False, spec=False):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS])
+    def __init__(self, num_blocks, block_size, budget, max_num_seqs, caching, overlap=False, policy="fcfs",
+                 host_blocks=0, spec=False):
+        if host_blocks:
+            self.bm = OffloadingBlockManager(num_blocks, block_size, host_blocks)
+            caching = True
+        else:
+            self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.host_kv: dict[int, tuple[int, ...] | None] = {}
+        self.sched = Scheduler(max_num_seqs, budget, P_LEN, self.bm, [P_EOS], policy=policy)
+        self.policy = policy
         self.kv: dict[int, tuple[int, ...]] = {}
         self.seqs: list[Sequence] = []
         self.request_ids: list[str] = []
@@ -55,11 +66,12 @@ class Harness:
         self.num_verified = 0  # steps that verified drafts
         self.pending = None  # (SchedulerOutput, sampled ids) of the launched, unprocessed step
 
-    def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop):
+    def add(self, prompt, max_tokens, n, min_tokens, ignore_eos, stop, priority):
         sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens or min_tokens),
                             ignore_eos=ignore_eos, stop_token_ids=[P_STOP] if stop else [])
         rid = f"r{len(self.request_ids)}"
-        seqs = [Sequence(rid, prompt, sp, index=i) for i in range(n)]
+        priority = priority if self.policy == "priority" else 0
+        seqs = [Sequence(rid, prompt, sp, index=i, priority=priority) for i in range(n)]
         for s in seqs[1:]:
             s.prefix_source = seqs[0]
         num_out = P_LEN - len(prompt) if max_tokens is None else max_tokens
@@ -90,6 +102,7 @@ class Harness:
         self._count_reuse([(s, start) for s, start in zip(out.seqs, out.num_computed_tokens) if s in waiting])
         if out.preempted:
             event("preempted")
+        self._swap(out)
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             self._run_model(seq, start, n, out.spec_token_ids.get(seq.seq_id, []))
         sampled = [rng.randrange(VOCAB) for f in out.sample_flags if f]
@@ -114,6 +127,17 @@ class Harness:
             if out.spec_token_ids and seq.seq_id in out.spec_token_ids and seq.status is SequenceStatus.RUNNING:
                 assert seq.num_computed_tokens == seq.num_tokens - 1, seq
                 assert len(seq.block_table) == -(-seq.num_computed_tokens // self.bm.block_size), seq
+
+    def _swap(self, out):
+        """The host tier's copies, as the worker runs them before the forward: outs, then ins."""
+        bs = self.bm.block_size
+        for device_block, host_block in out.blocks_to_swap_out:
+            for off in range(bs):
+                self.host_kv[host_block * bs + off] = self.kv.get(device_block * bs + off)
+        for host_block, device_block in out.blocks_to_swap_in:
+            event("swapped in from the host tier")
+            for off in range(bs):
+                self.kv[device_block * bs + off] = self.host_kv.get(host_block * bs + off)
 
     def drain(self):
         if self.pending is not None:
@@ -180,6 +204,9 @@ class Harness:
         owned = {b for s in sched.running for b in s.block_table}
         assert len(owned) + self.bm.get_num_free_blocks() == self.bm.num_blocks, "blocks not conserved"
         assert all(len(set(s.block_table)) == len(s.block_table) for s in sched.running)
+        if self.policy == "priority":  # the last running sequence is the one preempted first
+            keys = [(s.priority, s.arrival_time, s.seq_id) for s in sched.running]
+            assert keys == sorted(keys), keys
         self.bm.check_invariants(list(sched.running) + list(sched.waiting))
         holders: dict[int, list[tuple[Sequence, int]]] = {}
         for seq in sched.running:
@@ -210,9 +237,11 @@ class Harness:
 @given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort, _drain), max_size=40),
        num_blocks=st.integers(5, 10) | st.integers(2, 24),  # small caches preempt often
        block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 12), max_num_seqs=st.integers(1, 5),
-       caching=st.booleans(), overlap=st.booleans())
-def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap):
-    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap)
+       caching=st.booleans(), overlap=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       host_blocks=st.sampled_from([0, 0, 1, 3, 12]))
+def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy,
+                                    host_blocks):
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, overlap, policy, host_blocks)
     _run(h, ops)
     if overlap:
         event("overlapped scheduling")
@@ -222,10 +251,14 @@ def test_random_workload_invariants(ops, num_blocks, block_size, budget, max_num
 @settings(max_examples=100, deadline=None)
 @given(ops=st.lists(st.one_of(_add, _add, _step, _step, _abort), max_size=30),
        num_blocks=st.integers(4, 12), block_size=st.sampled_from([2, 4]),
-       budget=st.integers(2, 12), max_num_seqs=st.integers(1, 5), caching=st.booleans())
-def test_random_workload_invariants_with_draft_tokens(ops, num_blocks, block_size, budget, max_num_seqs, caching):
-    """Speculative decoding (never overlapped, as in the engine): random drafts, random acceptance."""
-    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, spec=True)
+       budget=st.integers(2, 12), max_num_seqs=st.integers(1, 5), caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]), host_blocks=st.sampled_from([0, 0, 3]))
+def test_random_workload_invariants_with_draft_tokens(ops, num_blocks, block_size, budget, max_num_seqs, caching,
+                                                      policy, host_blocks):
+    """Speculative decoding (never overlapped, as in the engine): random drafts, random acceptance;
+    with either policy and with or without the host tier (rolled-back blocks never reach it)."""
+    h = Harness(num_blocks, block_size, budget, max_num_seqs, caching, policy=policy, host_blocks=host_blocks,
+                spec=True)
     _run(h, ops)
     if h.sched.num_preemptions:
         event("preempted (with drafts)")

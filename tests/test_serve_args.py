@@ -253,6 +253,8 @@ ENGINE_VALUES = {
     "enable_lora": True, "max_loras": 4, "max_lora_rank": 32, "max_cpu_loras": 8,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                            "prompt_lookup_min": 2},
+    "scheduling_policy": "priority",
+    "kv_offload_gb": 0.0,  # off (the default None picks by device); > 0 needs prefix caching, off here
 }
 
 

@@ -36,8 +36,10 @@ class FakeLLM:
         self.outputs, self.error, self.dead = list(outputs), error, dead
         self.shutdowns = 0
         self.stream_intervals = []
+        self.priorities = []
 
-    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0, lora_request=None):
+    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0, lora_request=None, priority=0):
+        self.priorities.append(priority)
         if self.error:
             raise self.error
         for out in self.outputs:
@@ -89,6 +91,12 @@ def test_generate_streams_and_ends_with_a_finished_item():
     assert items[-1].finished and items[-1].error is None
 
 
+def test_the_request_priority_reaches_the_engine():
+    llm = FakeLLM([_output("b", "length", True)])
+    _run(_deployment(llm), EngineRequest("r", [1, 2], SamplingParams(max_tokens=2), priority=-3))
+    assert llm.priorities == [-3]
+
+
 def test_replica_records_the_engine_stats_while_serving():
     dep = _deployment(FakeLLM([_output("a"), _output("b", "length", True)]))
     _run(dep)
@@ -123,7 +131,7 @@ class AbortableLLM(FakeLLM):
         self.aborted_ids: list[str] = []
         self._aborted = asyncio.Event()
 
-    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0, lora_request=None):
+    async def generate(self, prompt, params, request_id, *, stream_interval_s=0.0, lora_request=None, priority=0):
         yield _output("a")
         await self._aborted.wait()
         yield _output("", "abort", True)

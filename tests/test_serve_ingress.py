@@ -291,3 +291,19 @@ def test_a_request_naming_an_adapter_runs_with_it_and_is_routed_by_it(start_ingr
         "message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
     ids = [p.batch_id for p in batch]
     assert None not in ids and ids[0] == ids[2] and ids[3] == ids[4] and len(set(ids)) == 3
+
+def test_request_priority_reaches_the_engine_request(start_ingress):
+    """vLLM's `priority` travels in the EngineRequest (the engine refuses it under fcfs); a priority
+    that is not an integer is a 400 naming it."""
+    async def run():
+        engine = FakeEngine()
+        engine.finish = True
+        ingress = await start_ingress(engine)
+        answers = [await _post(ingress, {"stream": False, **payload})
+                   for payload in ({}, {"priority": -2}, {"priority": 7}, {"priority": "high"})]
+        return engine, answers
+
+    engine, answers = asyncio.run(run())
+    assert [a[0]["status"] for a in answers] == [200, 200, 200, 400]
+    assert [r.priority for r in engine.requests] == [0, -2, 7]
+    assert json.loads(answers[3][1]["body"])["error"]["param"] == "priority"

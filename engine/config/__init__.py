@@ -7,13 +7,13 @@ concrete values; every stage after it reads only those. What a config.json says 
 (rope.py) and about which layers slide (sliding_window.py) is read in a module of its own.
 Torch-free: the HTTP tier imports it.
 """
-from engine.config.engine import (ATTENTION_BACKENDS, DEFAULT_CPU_KV_CACHE_GB, DEVICES, DTYPES,
-                                  EngineConfig)
+from engine.config.engine import (ATTENTION_BACKENDS, DEFAULT_CPU_KV_CACHE_GB, DEFAULT_CUDA_KV_OFFLOAD_GB, DEVICES,
+                                  DTYPES, SCHEDULING_POLICIES, EngineConfig)
 from engine.config.model import HIDDEN_ACTS, ModelConfig
 from engine.config.rope import ROPE_TYPES
 from engine.config.sliding_window import LAYER_TYPES, SLIDING_WINDOW_ARCHITECTURES
 from engine.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 
-__all__ = ["ATTENTION_BACKENDS", "DEFAULT_CPU_KV_CACHE_GB", "DEVICES", "DTYPES", "EngineConfig", "HIDDEN_ACTS",
-           "LAYER_TYPES", "ModelConfig", "ROPE_TYPES", "SLIDING_WINDOW_ARCHITECTURES",
-           "SPECULATIVE_METHODS", "SpeculativeConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_CPU_KV_CACHE_GB", "DEFAULT_CUDA_KV_OFFLOAD_GB", "DEVICES", "DTYPES",
+           "EngineConfig", "HIDDEN_ACTS", "LAYER_TYPES", "ModelConfig", "ROPE_TYPES", "SCHEDULING_POLICIES",
+           "SLIDING_WINDOW_ARCHITECTURES", "SPECULATIVE_METHODS", "SpeculativeConfig"]

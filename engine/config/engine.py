@@ -19,9 +19,16 @@ DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("triton", "torch")     # engine/layers/attention.py loads their kernels
 # vLLM's names: "auto" = the model's dtype; "fp8" and "fp8_e4m3" = float8_e4m3fn, per-tensor scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's --scheduling-policy (engine/core/request_queue.py): arrival order, or each request's
+# `priority` (lower first, arrival order within a level).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # Default KV-cache budget on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB).
 # Pages are only touched when used, so an unused budget costs address space, not RAM.
 DEFAULT_CPU_KV_CACHE_GB = 4.0
+# Default host KV tier on CUDA (kv_offload_gb), the engine's total. Off until its CUDA copies (own
+# stream, registered host memory) have run on a GPU (loadtest/gpu_session.sh kv-offload); then
+# vLLM V0's swap_space default, 4 GiB per GPU. Off on CPU, where the KV cache is host memory already.
+DEFAULT_CUDA_KV_OFFLOAD_GB = 0.0
 
 
 @dataclass
@@ -47,6 +54,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None            # None: from gpu_memory_utilization / cpu_kv_cache_gb
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = DEFAULT_CPU_KV_CACHE_GB
+    # The host tier of the prefix cache (engine/core/kv_offload.py, docs/fleet.md): GiB of host memory,
+    # the engine's total (split over TP ranks), holding blocks evicted from the device pool, which
+    # come back on a hit instead of being recomputed. 0: off. None: DEFAULT_CUDA_KV_OFFLOAD_GB on
+    # CUDA, 0 on CPU (and 0 where it cannot work: prefix caching off, sliding-window layers).
+    kv_offload_gb: float | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"
@@ -54,6 +66,9 @@ class EngineConfig:
     # half fp16's bytes per block, so twice the blocks fit the same budget.
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # "priority": requests carry a `priority` (lower runs first; docs/fleet.md), and a waiting
+    # request may preempt a running one of lower priority. "fcfs" refuses a priority other than 0.
+    scheduling_policy: str = "fcfs"
     # Overlapped scheduling: plan and launch step N+1 before step N's tokens are read back.
     # None: on for CUDA with tensor_parallel_size 1 (on CPU the forward is synchronous, so there
     # is nothing to overlap). True with tensor_parallel_size > 1 is refused.
@@ -82,6 +97,7 @@ class EngineConfig:
         _choice("device", self.device, ("auto",) + DEVICES)
         _choice("attention_backend", self.attention_backend, ("auto",) + ATTENTION_BACKENDS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -98,6 +114,11 @@ class EngineConfig:
             raise ValueError(f"worker_start_timeout_s={self.worker_start_timeout_s} is invalid: must be > 0")
         if self.cpu_kv_cache_gb <= 0:
             raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb} is invalid: must be > 0")
+        if self.kv_offload_gb is not None and not self.kv_offload_gb >= 0:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} is invalid: must be >= 0 (0: off)")
+        if self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} needs enable_prefix_caching=True: the host "
+                             "tier keeps prefix-cache blocks by their hashes")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: choose True, False or None")
         if self.reasoning_parser is not None:
@@ -134,6 +155,7 @@ class EngineConfig:
             async_scheduling = on_cuda and self.tensor_parallel_size == 1 and self.speculative_config is None
         if on_cuda and self.kv_cache_dtype != "auto":
             _check_fp8_kv_cache(self.kv_cache_dtype)
+        kv_offload_gb = _resolve_kv_offload_gb(self.kv_offload_gb, on_cuda, self.enable_prefix_caching, model_config)
         quantization = resolve_quantization(self.quantization, model_config.quantization, _is_gguf(self.model))
         if quantization is not None:
             _check_quantization_config(quantization, model_config)
@@ -142,13 +164,14 @@ class EngineConfig:
             attention_backend=_resolve_attention_backend(self.attention_backend, on_cuda),
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if on_cuda else 2048),
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, kv_offload_gb=kv_offload_gb)
 
     @property
     def is_resolved(self) -> bool:
         """Whether every value `resolve` decides is concrete (stages check it before reading them)."""
         return ("auto" not in (self.device, self.dtype, self.attention_backend)
-                and None not in (self.max_model_len, self.max_num_batched_tokens, self.async_scheduling))
+                and None not in (self.max_model_len, self.max_num_batched_tokens, self.async_scheduling,
+                                 self.kv_offload_gb))
 
 
 def _resolve_device(device: str) -> str:
@@ -170,6 +193,19 @@ def _check_fp8_kv_cache(kv_cache_dtype: str) -> None:
     if (major, minor) < (8, 9):
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= 8.9 "
                          f"(Ada, Hopper); this one is {major}.{minor}")
+
+
+def _resolve_kv_offload_gb(kv_offload_gb: float | None, on_cuda: bool, enable_prefix_caching: bool,
+                           model_config: ModelConfig) -> float:
+    """The host tier's size; ValueError naming the combination if one was asked for a model with
+    sliding-window layers (their blocks are freed behind the window, never needed again)."""
+    sliding = "sliding_attention" in (model_config.layer_types or ())
+    if kv_offload_gb is None:
+        return DEFAULT_CUDA_KV_OFFLOAD_GB if on_cuda and enable_prefix_caching and not sliding else 0.0
+    if kv_offload_gb and sliding:
+        raise ValueError(f"kv_offload_gb={kv_offload_gb} is not supported with sliding-window attention "
+                         f"({model_config.architecture} has sliding layers); set kv_offload_gb=0")
+    return kv_offload_gb
 
 
 def _is_gguf(model: str) -> bool:

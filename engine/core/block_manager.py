@@ -127,7 +127,7 @@ class BlockManager:
         limit = (seq.num_tokens - 1) // bs
         if max_num_tokens is not None:
             limit = min(limit, max_num_tokens // bs)
-        cached = [h in self.cached_block_ids for h in seq.block_hashes[:limit]]
+        cached = [self._is_cached(h) for h in seq.block_hashes[:limit]]
         if self.sliding_window is None:
             return (cached.index(False) if False in cached else limit) * bs
         for num_hit_blocks in range(limit, 0, -1):
@@ -170,7 +170,8 @@ class BlockManager:
         hit_ids = self._hit_block_ids(seq, num_computed_from_cache)
         num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - len(table) - len(hit_ids))
         # Hit blocks with ref 0 sit in the free queue; taking them shrinks what is left for new blocks.
-        return num_new_blocks + sum(1 for b in hit_ids if not self._is_null(b) and self.ref_counts[b] == 0)
+        # A hit held in another tier (None) takes a free block to be copied into.
+        return num_new_blocks + sum(1 for b in hit_ids if b is None or not self._is_null(b) and self.ref_counts[b] == 0)
 
     def allocate_checked(self, seq: Sequence, num_new_tokens: int, num_computed_from_cache: int = 0) -> None:
         """allocate_slots once `num_blocks_to_allocate` is known to fit (a coordinator of pools checks all first)."""
@@ -183,10 +184,7 @@ class BlockManager:
         hit_ids = self._hit_block_ids(seq, num_computed_from_cache)
         num_tokens_after = seq.num_computed_tokens + num_computed_from_cache + num_new_tokens
         num_new_blocks = max(0, cdiv(num_tokens_after, bs) - len(table) - len(hit_ids))
-        for block_id in hit_ids:
-            if not self._is_null(block_id):
-                self._take(block_id)
-        table.extend(hit_ids)
+        table.extend(self._take_hit_blocks(seq, hit_ids))
         table.extend(self._pop_free_block() for _ in range(num_new_blocks))
         if admitting:
             seq.num_computed_tokens = num_computed_from_cache
@@ -285,7 +283,26 @@ class BlockManager:
         self._num_registered_blocks.pop(seq.seq_id, None)
         self._pending_shares.pop(seq.seq_id, None)
 
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies to and from a second KV tier that this step's allocations planned (none here:
+        engine/core/kv_offload.py)."""
+        return [], []
+
     # -- internals -----------------------------------------------------------
+    def _is_cached(self, block_hash: int) -> bool:
+        """Whether a prefix-cache hit on `block_hash` can be taken (in this pool; a tier adds its own)."""
+        return block_hash in self.cached_block_ids
+
+    def _take_hit_blocks(self, seq: Sequence, hit_ids: list[int]) -> list[int]:
+        """Take a reference to each hit block (not to NULL_BLOCK_ID); the table entries they become."""
+        for block_id in hit_ids:
+            if not self._is_null(block_id):
+                self._take(block_id)
+        return hit_ids
+
+    def _on_evict(self, block_id: int, block_hash: int) -> None:
+        """A cached block is handed out again and its KV is about to be overwritten (a tier keeps a copy)."""
+
     def _count_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
             self.num_queried_tokens += num_tokens
@@ -345,6 +362,7 @@ class BlockManager:
             assert self.cached_block_ids[block_hash] == block_id
             del self.cached_block_ids[block_hash]
             self.block_hashes[block_id] = None
+            self._on_evict(block_id, block_hash)
         assert self.ref_counts[block_id] == 0
         self.ref_counts[block_id] = 1
         return block_id

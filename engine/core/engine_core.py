@@ -229,9 +229,10 @@ def _read_requests(core: EngineCore, in_conn, pipe: _OutputPipe) -> None:
         except (EOFError, OSError):
             op, arg = "stop", None
         if op == "add":
-            request_id, prompt, params, lora_request = arg
+            request_id, prompt, params, lora_request, priority = arg
             try:
-                core.add_request(core.engine.make_request(request_id, prompt, params, lora_request=lora_request))
+                core.add_request(core.engine.make_request(request_id, prompt, params, lora_request=lora_request,
+                                                          priority=priority))
             except Exception as e:  # noqa: BLE001 - the request's own error, its only output
                 pipe.send(("out", [(request_id, _picklable(e))], None, []))  # no stats: the loop's to read
         elif op == "abort":

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
+from engine.core.kv_offload import OffloadingBlockManager
 from engine.core.sequence import Sequence
 from engine.math_utils import cdiv
 
@@ -89,8 +90,13 @@ def split_kv_budget(groups: list[KVCacheGroup], budget_bytes: int, bytes_per_lay
 
 def make_block_manager(groups: list[KVCacheGroup], num_kv_blocks: int, block_size: int,
                        enable_prefix_caching: bool, max_num_seqs: int,
-                       max_num_batched_tokens: int) -> BlockManager | HybridBlockManager:
-    """One BlockManager for one group (today's path), a HybridBlockManager for two."""
+                       max_num_batched_tokens: int, num_host_blocks: int = 0) -> BlockManager | HybridBlockManager:
+    """One BlockManager for one group (today's path), a HybridBlockManager for two; with host
+    blocks (kv_offload_gb), an OffloadingBlockManager (one full-attention group, prefix caching on:
+    EngineConfig refuses the rest)."""
+    if num_host_blocks:
+        assert len(groups) == 1 and groups[0].sliding_window is None and enable_prefix_caching, groups
+        return OffloadingBlockManager(num_kv_blocks, block_size, num_host_blocks)
     sizes = group_num_blocks(groups, num_kv_blocks, max_num_seqs, max_num_batched_tokens, block_size)
     pools = [BlockManager(n, block_size, enable_prefix_caching, sliding_window=g.sliding_window, group=i)
              for i, (g, n) in enumerate(zip(groups, sizes))]
@@ -162,6 +168,9 @@ class HybridBlockManager:
             dst_seq.num_computed_tokens = 0  # each pool sees the sibling as it was
             p.share_prefix(src_seq, dst_seq, num_tokens)
         return num_tokens
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return [], []  # no host tier with a sliding pool (EngineConfig refuses it)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         for p in self.pools:

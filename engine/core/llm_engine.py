@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engine.core.kv_cache_groups import kv_cache_groups, make_block_manager
+from engine.core.kv_offload import offload_stats
 from engine.config import EngineConfig, ModelConfig
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -52,12 +53,13 @@ class LLMEngine:
             kv_cache_groups(self.model_config.layer_types, self.model_config.sliding_window,
                             self.model_config.num_hidden_layers),
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            config.max_num_seqs, config.max_num_batched_tokens)
+            config.max_num_seqs, config.max_num_batched_tokens, num_host_blocks=self.executor.num_host_kv_blocks)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len, block_manager=self.block_manager,
                                    eos_token_ids=self.eos_token_ids,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   policy=config.scheduling_policy)
         self.requests: dict[str, RequestState] = {}
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
@@ -71,17 +73,19 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> RequestState:
+                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                     priority: int = 0) -> RequestState:
         """Tokenize and validate; touches no engine state, so a caller may run it on any thread."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_priority(priority)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
         if lora_request is not None:
             self._check_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, lora_request=lora_request)
-                for i in range(params.n)]
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival, lora_request=lora_request,
+                         priority=priority) for i in range(params.n)]
         for sib in seqs[1:]:
             sib.prefix_source = seqs[0]
         if params.bad_words:
@@ -111,8 +115,9 @@ class LLMEngine:
         self.requests[state.request_id] = state
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add_request_state(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        self.add_request_state(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time,
+                                                 priority=priority))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free; returns the request's final output (finish_reason "abort"), or None if unknown."""
@@ -287,6 +292,14 @@ class LLMEngine:
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
 
+    def _check_priority(self, priority) -> None:
+        """An int; other than 0 only under scheduling_policy="priority" (as vLLM refuses it)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer", param="priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority={priority} needs scheduling_policy='priority'; this engine "
+                                      f"runs {self.config.scheduling_policy!r}", param="priority")
+
     def _check_lora(self, lora_request: LoRARequest) -> None:
         """The adapter is one the engine runs (engine/lora/peft_adapter.py); ValueError naming it if not."""
         if not isinstance(lora_request, LoRARequest):
@@ -316,6 +329,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
             "prefix_cache_hits": bm.num_hit_tokens,
             **self.spec_decoder.get_stats(),  # spec_decode_* counters, with speculative_config only
+            **offload_stats(bm),
         }
 
     def shutdown(self) -> None:

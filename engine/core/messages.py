@@ -41,6 +41,10 @@ class SchedulerOutput:
     # sequence computes 1 + len(drafts) rows, all of which sample (the rejection sampler keeps
     # the agreeing prefix and one more token). Empty when no sequence has drafts.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # The host KV tier's copies, run before the forward, outs first (engine/core/kv_offload.py):
+    # (device block, host block) of evicted prefix blocks, (host block, device block) of host hits.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -122,3 +126,6 @@ class ModelInput:
     # ((slot, LoRARequest), planned by rank 0: engine/lora/worker_manager.py).
     lora_slots: list[int] = field(default_factory=list)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # The host KV tier's copies (SchedulerOutput's), which every rank runs on its shard first.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)

@@ -2,16 +2,22 @@
 
 One step, under `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
 
-  1. running sequences, oldest first: a decode token each, or their next
-     prefill chunk. When one cannot get a block, the newest running sequence
-     is preempted (blocks freed, back to the front of the queue, recomputed
-     later) until it fits, or it is itself the newest and steps back.
-  2. waiting sequences, FIFO, while tokens, sequence slots and blocks last; a
-     prompt may be admitted with only its first chunk. Skipped in a step that
-     preempted: there was no room for what was already running. With LoRA, a
+  1. running sequences, in order: a decode token each, or their next prefill
+     chunk. When one cannot get a block, the last running sequence is
+     preempted (blocks freed, back to the queue, recomputed later) until it
+     fits, or it is itself the last and steps back.
+  2. waiting sequences, in queue order, while tokens, sequence slots and blocks
+     last; a prompt may be admitted with only its first chunk. Skipped in a step
+     that preempted: there was no room for what was already running. With LoRA, a
      sequence whose adapter would make more than `max_loras` distinct adapters
      among the running sequences keeps its place and waits (later ones may pass
      it, as in vLLM), so a step never needs more adapter slots than there are.
+
+The order of both lists is the scheduling policy's (engine/core/request_queue.py):
+"fcfs" keeps arrival order and preempts the newest; "priority" keeps (priority, arrival)
+order, so the lowest-priority, latest-arrived sequence is preempted first, and a waiting
+sequence that does not fit (no sequence slot or no blocks) preempts running ones of a
+strictly lower priority, lowest first, then the step admits nothing more.
 
 Prefill and decode mix in one step; the model runner sees one flat batch.
 
@@ -31,12 +37,11 @@ that turns out to have stopped has that next step's token discarded.
 """
 from __future__ import annotations
 
-from collections import deque
-
 from engine.core.block_manager import BlockManager
 from engine.core.kv_cache_groups import HybridBlockManager, blocks_needed
 from engine.errors import InvalidRequestError, PromptTooLongError, check_int
 from engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from engine.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from engine.core.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -49,7 +54,7 @@ MAX_PROMPT_LOGPROB_ROWS = 512
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_manager: BlockManager | HybridBlockManager, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, policy: SchedulingPolicy | str = SchedulingPolicy.FCFS):
         check_int("max_num_seqs", max_num_seqs)
         if max_loras is not None:
             check_int("max_loras", max_loras)
@@ -61,8 +66,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.waiting: RequestQueue = create_request_queue(policy)
+        # In the policy's order (admission, or priority): the last one is preempted first.
+        self.running: list[Sequence] = []
         self._seqs_by_request: dict[str, list[Sequence]] = {}
         self.num_preemptions = 0  # total, for metrics
 
@@ -111,7 +117,7 @@ class Scheduler:
             self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         except InvalidRequestError as e:  # the same error (type, param, code), naming the request
             raise type(e)(f"request {seq.request_id!r}: {e}", e.param, e.code) from None
-        self.waiting.append(seq)
+        self.waiting.add_request(seq)
         self._seqs_by_request.setdefault(seq.request_id, []).append(seq)
 
     def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -143,6 +149,8 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         self._update_after_schedule(out)
+        if out.seqs:  # else the copies wait for the next step that runs (nothing reads them before)
+            out.blocks_to_swap_out, out.blocks_to_swap_in = self.block_manager.take_swaps()
         return out
 
     @staticmethod
@@ -192,7 +200,7 @@ class Scheduler:
         return max(0, min(len(seq.spec_token_ids), budget - 1, room))
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` gets its blocks; False if `seq` itself went.
+        """Preempt the last running sequences until `seq` gets its blocks; False if `seq` itself went.
 
         Victims are always after `seq` in `running`, so nothing already scheduled this step is touched.
         """
@@ -219,25 +227,49 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)  # popped newest-first, so older victims end up in front
+        self.waiting.prepend_request(seq)  # fcfs: popped newest-first, so older victims end up in front
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Sequence] = []  # siblings waiting for their source's prompt; keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0:
+            seq = self.waiting.peek_request()
             if seq.num_output_placeholders or self._waits_for_prefix_source(seq) or self._waits_for_lora(seq):
                 # A placeholder: preempted while its last step was in flight; back once processed.
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop_request())
                 continue
-            num_new = self._admit(seq, budget)
+            num_new = self._admit(seq, budget) if len(self.running) < self.max_num_seqs else 0
             if num_new == 0:
-                break  # no blocks: FIFO, later requests don't jump the queue
-            self.waiting.popleft()
-            self.running.append(seq)
+                num_new, budget = self._admit_by_preempting(seq, out, budget)
+            if num_new == 0:
+                break  # no slot or no blocks: in queue order, later requests don't jump it
+            self.waiting.pop_request()
+            self.waiting.insert_running(self.running, seq)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+            if out.preempted:
+                break  # room was made for `seq` alone
+        self.waiting.prepend_requests(skipped)
+
+    def _admit_by_preempting(self, seq: Sequence, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """Preempt the last running sequences while the policy lets waiting `seq` preempt them
+        (priority: strictly lower priority; fcfs: never) until `seq` is admitted.
+
+        Returns (tokens scheduled for `seq`, 0 if it still does not fit; the budget, with the
+        tokens of victims scheduled earlier this step given back: they no longer run in it).
+        """
+        while self.running and self.waiting.preempts(seq, self.running[-1]):
+            victim = self.running.pop()
+            if victim in out.seqs:
+                i = out.seqs.index(victim)
+                del out.seqs[i]
+                budget += out.num_scheduled_tokens.pop(i)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            num_new = self._admit(seq, budget) if len(self.running) < self.max_num_seqs else 0
+            if num_new:
+                return num_new, budget
+        return 0, budget
 
     def _waits_for_lora(self, seq: Sequence) -> bool:
         """Its adapter is not running and max_loras others are."""

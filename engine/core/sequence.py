@@ -28,8 +28,11 @@ class Sequence:
         return self.block_tables[0]
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 index: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None):
+                 index: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                 priority: int = 0):
         self.request_id = request_id
+        # Under scheduling_policy="priority": lower runs first (vLLM's field); 0 under "fcfs".
+        self.priority = priority
         self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.seq_id = next(_seq_counter)  # unique across the process; keys per-sequence sampler state
         self.index = index                # which of the request's n completions this is

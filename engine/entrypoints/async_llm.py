@@ -106,7 +106,7 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *,
                        stream_interval_s: float | Callable[[], float] = 0.0,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine makes them (by `sampling_params.output_kind`).
 
         stream_interval_s > 0: after each output, wait that long (or until the request ends)
@@ -117,6 +117,7 @@ class AsyncLLM:
         a character (byte-level BPE splits most CJK characters and emoji), or text held back
         as a possible stop string, must not push the first visible text an interval later.
         lora_request: the adapter this request runs with (docs/lora.md); None: the base model.
+        priority: lower runs first, under scheduling_policy="priority" (docs/fleet.md); else 0.
         """
         interval = stream_interval_s if callable(stream_interval_s) else (lambda: stream_interval_s)
         if (first := interval()) < 0:
@@ -126,7 +127,7 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         # In-process: tokenized and validated now (ValueError raised here); with an engine process,
         # there, and an invalid request's error is its only output.
-        request = await self._client.make_request(request_id, prompt, params, lora_request)
+        request = await self._client.make_request(request_id, prompt, params, lora_request, priority)
         if request_id in self._waiters:
             raise ValueError(f"request_id {request_id!r} is already in use")
         collector = RequestOutputCollector(aggregate=params.output_kind is RequestOutputKind.DELTA)

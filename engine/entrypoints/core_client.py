@@ -5,7 +5,7 @@
                  <-- on_outputs(pairs, stats, iteration stats), called by that thread
 
     MPClient: EngineCore in a spawned engine process, pickled messages over two pipes
-        AsyncLLM -- ("add", (id, prompt, params, lora)) --> input thread: make_request -> core.add_request
+        AsyncLLM -- ("add", (id, prompt, params, lora, priority)) --> input thread: make_request -> core.add_request
                  -- ("abort", id) | ("stop", None) --> core.abort_request | core.stop
                  <-- ("out", pairs, stats, iteration stats) | ("dead", error) -- step loop
         reader thread: each message -> on_outputs / on_dead
@@ -62,7 +62,7 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                           lora_request: LoRARequest | None = None):
+                           lora_request: LoRARequest | None = None, priority: int = 0):
         """What add_request takes: in-process, a validated RequestState (ValueError raised here);
         for an engine process, the request as given (validated there: an error is its only output)."""
 
@@ -101,11 +101,11 @@ class InprocClient(EngineCoreClient):
         return self.engine.tokenizer
 
     async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                           lora_request: LoRARequest | None = None):
+                           lora_request: LoRARequest | None = None, priority: int = 0):
         if params.structured_outputs is not None:  # grammar compilation may take a while: not on the loop
             return await asyncio.to_thread(self.engine.make_request, request_id, prompt, params,
-                                           lora_request=lora_request)
-        return self.engine.make_request(request_id, prompt, params, lora_request=lora_request)
+                                           lora_request=lora_request, priority=priority)
+        return self.engine.make_request(request_id, prompt, params, lora_request=lora_request, priority=priority)
 
     def add_request(self, request) -> None:
         self.core.add_request(request)
@@ -156,9 +156,9 @@ class MPClient(EngineCoreClient):
         raise AttributeError("AsyncLLM(engine_process=True) holds no tokenizer: the engine process does")
 
     async def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                           lora_request: LoRARequest | None = None):
+                           lora_request: LoRARequest | None = None, priority: int = 0):
         # Validated in the engine process: an error is the request's output.
-        return request_id, prompt, params, lora_request
+        return request_id, prompt, params, lora_request, priority
 
     def add_request(self, request) -> None:
         try:

@@ -45,18 +45,23 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """lora_request: one adapter for every prompt, or a list with one (or None) per prompt (docs/lora.md)."""
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or a list with one (or None) per prompt (docs/lora.md).
+        priority: one per prompt, as vLLM's (lower runs first); needs scheduling_policy="priority"."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down; build a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
         loras = _broadcast_loras(lora_request, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
         engine = self.llm_engine
         # Validate every prompt before adding any, so a bad one leaves nothing half-queued.
-        states = [engine.make_request(str(next(self._counter)), p, _final_only(sp), lora_request=lr)
-                  for p, sp, lr in zip(prompts, params, loras)]
+        states = [engine.make_request(str(next(self._counter)), p, _final_only(sp), lora_request=lr, priority=pr)
+                  for p, sp, lr, pr in zip(prompts, params, loras, priorities)]
         for state in states:
             engine.add_request_state(state)
         finished: dict[str, RequestOutput] = {}

@@ -142,6 +142,7 @@ class MultiprocExecutor:
                 raise WorkerDiedError(f"tensor-parallel start-up failed: {dead.describe()}") from e
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_host_kv_blocks = self.runner.num_host_kv_blocks  # every rank holds as many (a min over ranks)
 
     @property
     def worker_pids(self) -> list[int]:

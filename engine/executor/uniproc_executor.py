@@ -16,6 +16,7 @@ class UniprocExecutor:
                  eos_token_ids: list[int]):
         self.runner = ModelRunner(config, model_config, model_path, eos_token_ids)
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_host_kv_blocks = self.runner.num_host_kv_blocks
 
     # The step in three launches, for overlapped scheduling (see ModelRunner.forward).
     def forward(self, scheduler_output: SchedulerOutput) -> StepHandle:

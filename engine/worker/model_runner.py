@@ -17,6 +17,7 @@ from engine.executor.parallel_state import get_tp_size
 from engine.worker.forward_context import AttentionMetadata, set_forward_context, to_device
 from engine.loader.gguf_config import gguf_source
 from engine.loader.kv_scales import layer_kv_scales, read_kv_scales
+from engine.worker.host_kv_cache import HostKVCache, host_kv_blocks
 from engine.worker.kv_cache import allocate_kv_tensor
 from engine.layers.attention import Attention
 from engine.layers.cpu_gemm import pack_module_weight
@@ -70,6 +71,8 @@ class ModelRunner:
         # num_kv_blocks is the first KV cache group's pool; the others follow from it (kv_cache_groups.py).
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
         self._allocate_kv_cache(self._group_num_block_ids(self.num_kv_blocks))
+        self.host_kv_cache = self._make_host_kv_cache()  # None with kv_offload_gb=0
+        self.num_host_kv_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.num_host_blocks
         self.graph_runner = self._maybe_capture_cuda_graphs()
         # The last sampled step's tokens on the device, and each sampled sequence's row in them.
         self._prev_sampled: torch.Tensor | None = None
@@ -162,6 +165,17 @@ class ModelRunner:
                              f"{self._bytes_per_layer_block() * len(self.attn_layers)} bytes per block "
                              f"of every layer); raise the memory budget")
         return num_blocks
+
+    def _make_host_kv_cache(self) -> HostKVCache | None:
+        if not self.config.kv_offload_gb:
+            return None
+        bytes_per_block = self._bytes_per_layer_block() * len(self.attn_layers)
+        num_blocks = _min_over_ranks(host_kv_blocks(self.config.kv_offload_gb, get_tp_size(), bytes_per_block),
+                                     self.device)
+        if num_blocks < 1:
+            raise ValueError(f"kv_offload_gb={self.config.kv_offload_gb} holds no KV block ({bytes_per_block} bytes "
+                             f"per block of every layer, per TP rank); raise it, or set 0 to turn the host tier off")
+        return HostKVCache(self.attn_layers, num_blocks, self.device)
 
     def _maybe_capture_cuda_graphs(self):
         # Graphs need shape-static, sync-free kernels: the Triton backend on CUDA.
@@ -259,6 +273,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, mi: ModelInput) -> torch.Tensor | None:
         """Forward over the flat batch; logits [num_sample_rows, vocab] (every TP rank runs this)."""
+        if mi.blocks_to_swap_out or mi.blocks_to_swap_in:  # the host KV tier's copies come first
+            self.host_kv_cache.swap(mi.blocks_to_swap_out, mi.blocks_to_swap_in)
         input_ids = self._input_ids(mi)
         if self.graph_runner is not None and self.graph_runner.can_run(mi):
             hidden = self.graph_runner.run(mi, input_ids, self._lora_graph_rows(mi))
@@ -324,7 +340,8 @@ class ModelRunner:
 
     def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
         bs = self.block_size
-        mi = ModelInput([], [], [], [], [], list(so.num_scheduled_tokens), [])
+        mi = ModelInput([], [], [], [], [], list(so.num_scheduled_tokens), [],
+                        blocks_to_swap_out=so.blocks_to_swap_out, blocks_to_swap_in=so.blocks_to_swap_in)
         num_rows = 0
         spec = so.spec_token_ids
         for seq, start, n, samples in zip(so.seqs, so.num_computed_tokens, so.num_scheduled_tokens,

@@ -183,7 +183,7 @@ class Ingress:
             source = req.structured_source
             output = OutputSpec(param=source) if req.json_mode else None
             return await self._generate(request, request_id, prepared, params, builder, req.stream, output, source,
-                                        lora)
+                                        lora, req.priority)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -203,7 +203,7 @@ class Ingress:
             builder = ChatBuilder(request_id, req.model, req.n, 1, k, req.include_usage,
                                   output=output if reads else None, include_reasoning=req.include_reasoning)
             return await self._generate(request, request_id, prepared, params, builder, req.stream,
-                                        output if req.json_mode else None, req.structured_source, lora)
+                                        output if req.json_mode else None, req.structured_source, lora, req.priority)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict:
@@ -309,14 +309,15 @@ class Ingress:
 
     async def _generate(self, request: Request, request_id: str, prepared: Prepared, params: SamplingParams,
                         builder: ResponseBuilder, stream: bool, output: OutputSpec | None,
-                        param_source: str | None, lora: LoRARequest | None) -> Response:
+                        param_source: str | None, lora: LoRARequest | None, priority: int = 0) -> Response:
         """`output`: the guardrail's contract (JSON, tool calls), for a request it must check; None: none.
         `lora`: the adapter the request runs with; None: the base model."""
         json_mode = output is not None
         engine = self.json_engine if json_mode else self.engine
         requests = [EngineRequest(f"{request_id}-{i}", ids, params if i == 0 else params.clone(), text, json_mode,
                                   prepared.batch_id, stream=stream, output=output, lora_request=lora,
-                                  session=getattr(request.state, "session", None))
+                                  session=getattr(request.state, "session", None),
+                                  priority=priority)
                     for i, (ids, text) in enumerate(zip(prepared.prompt_token_ids, prepared.prompt_texts))]
         items = merge_streams([engine.stream(r) for r in requests])
         info = RequestInfo(request.method, request.url.path, request_id,

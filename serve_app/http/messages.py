@@ -53,6 +53,7 @@ class EngineRequest:
     output: OutputSpec | None = None  # chat: how to read the text (reasoning, tool calls); the guard's contract
     session: str | None = None      # the client's session (X-Session-ID, prompt_cache_key, user): prefix router's key
     lora_request: LoRARequest | None = None  # the adapter it runs with (the Ingress's registry); None: base model
+    priority: int = 0               # the request's scheduling priority (engine scheduling_policy="priority")
 
     @property
     def multiplexed_model_id(self) -> str:

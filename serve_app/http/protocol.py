@@ -77,6 +77,9 @@ class _SamplingFields(StructuredFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     best_of: int | None = None  # only as n: no candidates beyond the ones returned
+    # vLLM's: lower is scheduled first; other than 0 only with the app arg scheduling_policy=priority
+    # (the engine refuses it otherwise: a 400 naming `priority`).
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
 
     @field_validator("stop", mode="before")
     @classmethod

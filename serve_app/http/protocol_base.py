@@ -70,7 +70,6 @@ COMMON_UNSUPPORTED: dict[str, Unsupported] = {
     "spaces_between_special_tokens": Unsupported("special tokens are always decoded without added spaces", (True,)),
     "truncate_prompt_tokens": Unsupported("prompts are never truncated (a prompt too long is a 400)"),
     "truncation_side": Unsupported("prompts are never truncated (a prompt too long is a 400)"),
-    "priority": Unsupported("priority scheduling is not supported", (0,)),
     "request_id": Unsupported("the server names each request itself"),
     "logits_processors": Unsupported("custom logits processors are not supported"),
     "return_tokens_as_token_ids": Unsupported("logprobs always carry the token text", (False,)),

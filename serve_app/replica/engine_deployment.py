@@ -87,7 +87,7 @@ class EngineDeployment:
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
         logger.debug("generate %s batch %s", request.request_id, request.batch_id)
         outputs = self.llm.generate(prompt, params, request.request_id, stream_interval_s=self._interval_s,
-                                    lora_request=request.lora_request)
+                                    lora_request=request.lora_request, priority=request.priority)
         # aclosing: however this generator ends (cancelled, closed at a yield), the chain
         # below is closed now, not at garbage collection, and the engine aborts the request.
         streaming = False  # counted in _num_streaming from its first item (queued requests send nothing)
