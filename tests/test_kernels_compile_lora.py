@@ -21,29 +21,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHILD = r'''
 import json, sys
 import torch, triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
+from tests.triton_aot import build
 from kernels import triton_lora as lora
 
-H100 = GPUTarget("cuda", 90, 32)
-DIVISIBLE = [["tt.divisibility", 16]]
 TT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-def build(kernel, args, consts, options):
-    sig, attrs, consts = {}, {}, dict(consts)
-    for name, value in args.items():
-        index = (kernel.arg_names.index(name),)
-        if isinstance(value, str):
-            sig[name], attrs[index] = value, DIVISIBLE
-        elif value == 1:
-            consts[name] = 1
-        else:
-            sig[name] = "i32"
-            if value % 16 == 0:
-                attrs[index] = DIVISIBLE
-    sig.update({name: "constexpr" for name in consts})
-    c = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=H100, options=options)
-    return {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin"))}
 
 def shrink(elem, tokens, k, n, max_loras):
     config = lora.choose_config(tokens, k, TT[elem])

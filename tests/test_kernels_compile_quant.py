@@ -24,31 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHILD = r'''
 import inspect, json, sys
 import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
+from tests.triton_aot import build
 from kernels import triton_fp8_gemm as fp8, triton_gguf_gemm as gguf, triton_int4_gemm as int4
 from kernels.torch_gguf import BLOCK_LAYOUTS
 
-H100 = GPUTarget("cuda", 90, 32)
-DIVISIBLE = [["tt.divisibility", 16]]
-
-def build(kernel, args, consts, options):
-    """args: runtime argument -> pointer type ("*bf16") or a sample int, specialized like a launch
-    (torch allocations are 256-byte aligned, so every pointer is divisible by 16)."""
-    sig, attrs, consts = {}, {}, dict(consts)
-    for name, value in args.items():
-        index = (kernel.arg_names.index(name),)
-        if isinstance(value, str):
-            sig[name], attrs[index] = value, DIVISIBLE
-        elif value == 1:
-            consts[name] = 1
-        else:
-            sig[name] = "i32"
-            if value % 16 == 0:
-                attrs[index] = DIVISIBLE
-    sig.update({name: "constexpr" for name in consts})
-    c = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=H100, options=options)
-    return {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin"))}
 
 def defaults(fn):
     return {n: p.default for n, p in inspect.signature(fn).parameters.items()}
