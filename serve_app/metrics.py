@@ -85,11 +85,17 @@ class EngineMetrics:
         "num_requests_running": ("num_requests_running", "Requests in the engine's running batch."),
         "num_requests_waiting": ("num_requests_waiting", "Requests waiting in the engine's queue."),
         "kv_cache_usage": ("kv_cache_usage_perc", "KV-cache usage, 0..1 (1: every block in use)."),
+        "host_kv_cache_usage": ("host_kv_cache_usage_perc", "Host KV tier usage, 0..1 (kv_offload_gb; 0 without it)."),
     }
     _COUNTERS = {  # lifetime key of get_stats() -> (suffix, help); exported as increments
         "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
         "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         "num_preemptions": ("num_preemptions", "Requests preempted (KV blocks taken back, recomputed later)."),
+        # The host KV tier (kv_offload_gb, docs/fleet.md; 0 without it).
+        "prefix_cache_host_hits": ("prefix_cache_host_hits", "Prompt tokens of prefix-cache hits copied back "
+                                   "from the host KV tier (also counted in prefix_cache_hits)."),
+        "kv_offload_blocks_out": ("kv_offload_blocks_out", "KV blocks copied from the device pool to the host tier."),
+        "kv_offload_blocks_in": ("kv_offload_blocks_in", "KV blocks copied back from the host tier on a hit."),
         # Speculative decoding (engine/spec_decode; 0 without speculative_config), vLLM's series.
         "spec_decode_num_drafts": ("spec_decode_num_drafts", "Draft verifications (a sequence's drafts in one step)."),
         "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),

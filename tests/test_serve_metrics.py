@@ -14,7 +14,9 @@ def test_engine_series_have_vllm_names_and_meanings():
     rec = Recorder()
     m = EngineMetrics("rayllm", "tiny", max_model_len=2048, factory=rec)
     stats = {"num_requests_running": 3, "num_requests_waiting": 1, "kv_cache_usage": 0.25,
-             "prefix_cache_queries": 100, "prefix_cache_hits": 40, "num_preemptions": 2}
+             "prefix_cache_queries": 100, "prefix_cache_hits": 40, "num_preemptions": 2,
+             "host_kv_cache_usage": 0.5, "prefix_cache_host_hits": 16, "kv_offload_blocks_out": 3,
+             "kv_offload_blocks_in": 1}
     it = IterationStats(num_prompt_tokens=12, num_generation_tokens=5, iteration_tokens=[12, 1, 1],
                         time_to_first_tokens=[0.3], inter_token_latencies=[0.01, 0.02],
                         finished_requests=[_finished(), _finished("abort", None)])
@@ -24,6 +26,8 @@ def test_engine_series_have_vllm_names_and_meanings():
     assert rec.value("rayllm_kv_cache_usage_perc") == 0.25
     assert rec.value("rayllm_prefix_cache_queries") == 150 and rec.value("rayllm_prefix_cache_hits") == 40
     assert rec.value("rayllm_num_preemptions") == 2
+    assert rec.value("rayllm_host_kv_cache_usage_perc") == 0.5 and rec.value("rayllm_prefix_cache_host_hits") == 16
+    assert (rec.value("rayllm_kv_offload_blocks_out"), rec.value("rayllm_kv_offload_blocks_in")) == (3, 1)
     assert rec.value("rayllm_prompt_tokens") == 12 and rec.value("rayllm_generation_tokens") == 5
     assert rec.value("rayllm_request_success", finished_reason="stop") == 1
     assert rec.value("rayllm_request_success", finished_reason="abort") == 1
