@@ -47,11 +47,14 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [  # (title, unit, [(expr
     ("Queue time / prefill time / decode time, p90", "s", [
         (f"histogram_quantile(0.9, sum by (le) (rate({q(f'request_{x}_time_seconds_bucket', True)})))", x)
         for x in ("queue", "prefill", "decode")]),
-    ("KV-cache usage per engine replica", "percentunit", [
-        (f"max by (replica) ({q('kv_cache_usage_perc')})", "{{replica}}")]),
-    ("Prefix-cache hit rate (tokens)", "percentunit", [
+    ("KV-cache usage per engine replica (device, and the host tier: kv_offload_gb)", "percentunit", [
+        (f"max by (replica) ({q('kv_cache_usage_perc')})", "{{replica}}"),
+        (f"max by (replica) ({q('host_kv_cache_usage_perc')})", "{{replica}} host")]),
+    ("Prefix-cache hit rate (tokens), and the share brought back from the host tier", "percentunit", [
         (f"sum(rate({q('prefix_cache_hits_total', True)})) / sum(rate({q('prefix_cache_queries_total', True)}))",
-         "hit rate")]),
+         "hit rate"),
+        (f"sum(rate({q('prefix_cache_host_hits_total', True)})) / sum(rate({q('prefix_cache_queries_total', True)}))",
+         "from the host tier")]),
     ("Prefix-cache hit rate per engine replica (tokens)", "percentunit", [
         (f"sum by (replica) (rate({q('prefix_cache_hits_total', True)})) / "
          f"sum by (replica) (rate({q('prefix_cache_queries_total', True)}))", "{{replica}}")]),
