@@ -266,6 +266,8 @@ def _edit_adapter(src: str, dst, **config_changes) -> LoRARequest:
     ("bias", r"bias='lora_only' is not supported"),
     ("modules_to_save", r"modules_to_save=\['lm_head'\] is not supported"),
     ("lm_head", r"target_modules \['lm_head'\] are not supported"),
+    ("bad_json", r"LoRA adapter 'bad' \(.*\): .*adapter_config\.json is not valid JSON"),
+    ("bad_weights", r"LoRA adapter 'bad' \(.*\): .*adapter_model\.safetensors is not a safetensors file"),
 ])
 def test_unsupported_adapters_are_refused_by_name(lora_llm, adapters, tiny_llama, tmp_path, kind, named):
     a = adapters["a"][0].lora_path
@@ -284,6 +286,10 @@ def test_unsupported_adapters_are_refused_by_name(lora_llm, adapters, tiny_llama
         lora = _edit_adapter(a, tmp_path / "bias", bias="lora_only")
     elif kind == "modules_to_save":
         lora = _edit_adapter(a, tmp_path / "mts", modules_to_save=["lm_head"])
+    elif kind.startswith("bad_"):  # a file cut short: named, not a JSON or struct error from deep inside
+        lora = LoRARequest("bad", 9, shutil.copytree(a, tmp_path / "bad"))
+        name = "adapter_config.json" if kind == "bad_json" else "adapter_model.safetensors"
+        (tmp_path / "bad" / name).write_bytes(b"{\"r\"")
     else:
         lora = _edit_adapter(a, tmp_path / "head", target_modules=["q_proj", "lm_head"])
     with pytest.raises(ValueError, match=named):

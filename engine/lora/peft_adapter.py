@@ -59,9 +59,12 @@ def read_peft_adapter(lora_request: LoRARequest, max_lora_rank: int, model_confi
     what = f"LoRA adapter {lora_request.lora_name!r} ({path})"
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
         raise ValueError(f"{what}: expected {CONFIG_NAME} and {WEIGHTS_NAME} in that directory")
-    config = json.loads((path / CONFIG_NAME).read_text())
+    try:
+        config = read_adapter_config(path)
+        shapes = safetensors_shapes(path / WEIGHTS_NAME)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
     rank = _check_config(config, max_lora_rank, what)
-    shapes = _safetensors_shapes(path / WEIGHTS_NAME)
     targets = _targets(shapes, rank, model_config, what)
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -91,11 +94,32 @@ def _check_config(config: dict, max_lora_rank: int, what: str) -> int:
     return rank
 
 
-def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, from the file's header alone (8-byte length, then JSON)."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+def read_adapter_config(path: Path) -> dict:
+    """The adapter directory's adapter_config.json; ValueError naming the file when it cannot be
+    read or is not a JSON object."""
+    config_path = path / CONFIG_NAME
+    try:
+        config = json.loads(config_path.read_text())
+    except OSError as e:
+        raise ValueError(f"{config_path} cannot be read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} is not a JSON object")
+    return config
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the file's header alone (8-byte length, then JSON); ValueError
+    naming the file when it cannot be read or its header does not parse."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e.strerror or e}") from None
+    except (struct.error, ValueError):  # too short, or a header that is not JSON
+        raise ValueError(f"{path} is not a safetensors file") from None
     header.pop("__metadata__", None)
     return {name: entry["shape"] for name, entry in header.items()}
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.lora.peft_adapter import CONFIG_NAME, WEIGHTS_NAME
+from engine.lora.peft_adapter import (
+    WEIGHTS_NAME,
+    read_adapter_config,
+    safetensors_shapes,
+)
 
 if TYPE_CHECKING:
     from engine.config.model import ModelConfig
@@ -91,23 +94,8 @@ def check_adapter_dir(path: str) -> None:
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"{path} is not a directory")
-    config = directory / CONFIG_NAME
-    try:
-        if not isinstance(json.loads(config.read_text()), dict):
-            raise ValueError(f"{config} is not a JSON object")
-    except OSError as e:
-        raise ValueError(f"{config} cannot be read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config} is not valid JSON: {e.msg} (line {e.lineno})") from None
-    weights = directory / WEIGHTS_NAME
-    try:
-        with open(weights, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            json.loads(f.read(size))
-    except OSError as e:
-        raise ValueError(f"{weights} cannot be read: {e.strerror or e}") from None
-    except (struct.error, ValueError):  # too short, or a header that is not JSON
-        raise ValueError(f"{weights} is not a safetensors file") from None
+    read_adapter_config(directory)
+    safetensors_shapes(directory / WEIGHTS_NAME)
 
 
 def check_adapter(lora: LoRARequest, max_lora_rank: int, model_config: ModelConfig) -> None:
