@@ -89,11 +89,23 @@ def test_engine_process_streams_what_the_thread_streams(tiny_llama, proc_llm):
 
 
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
-def test_every_output_carries_its_prompt(proc_llm, kind):
+def test_every_output_carries_its_prompt(proc_llm, kind, monkeypatch):
     """The prompt crosses the pipe once per request; each output still has it, and the parent
-    forgets it when the request ends, finished or aborted."""
+    forgets it when the request ends, finished or aborted. What the caller sees may be fewer
+    outputs than crossed the pipe (a slow reader's cumulative outputs merge), so the outputs that
+    crossed are counted where the parent restores them."""
     ids = [5, 6, 7, 8, 9]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, output_kind=kind)
+    restored: dict[str, list] = {}
+    restore = proc_llm._client._prompts.restore
+
+    def recording_restore(pairs):
+        pairs = restore(pairs)
+        for request_id, out in pairs:
+            if isinstance(out, RequestOutput):
+                restored.setdefault(request_id, []).append((out.prompt, list(out.prompt_token_ids)))
+        return pairs
+    monkeypatch.setattr(proc_llm._client._prompts, "restore", recording_restore)
 
     async def main():
         outs = [out async for out in proc_llm.generate({"prompt_token_ids": ids, "prompt": "five ids"}, params, "a")]
@@ -104,11 +116,17 @@ def test_every_output_carries_its_prompt(proc_llm, kind):
         await _wait_idle(proc_llm)
         return outs, texts, first
     outs, texts, first = asyncio.run(main())
-    assert len(outs) > 1 and all(o.prompt_token_ids == ids and o.prompt == "five ids" for o in outs)
-    assert len(texts) > 1 and all(o.prompt == "some text" and o.prompt_token_ids == texts[0].prompt_token_ids
-                                  for o in texts)
-    assert texts[0].prompt_token_ids and first.prompt == "abort me"
+    assert len(restored["a"]) > 1 and set(map(tuple_prompt, restored["a"])) == {("five ids", tuple(ids))}
+    assert all(o.prompt_token_ids == ids and o.prompt == "five ids" for o in outs)
+    b_ids = tuple(texts[0].prompt_token_ids)
+    assert b_ids and len(restored["b"]) > 1 and set(map(tuple_prompt, restored["b"])) == {("some text", b_ids)}
+    assert all(o.prompt == "some text" and tuple(o.prompt_token_ids) == b_ids for o in texts)
+    assert first.prompt == "abort me"
     assert len(proc_llm._client._prompts) == 0
+
+
+def tuple_prompt(pair: tuple) -> tuple:
+    return pair[0], tuple(pair[1])
 
 
 def test_outputs_that_cannot_be_delivered_fail_every_waiter(proc_llm, monkeypatch):
