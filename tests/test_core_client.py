@@ -20,8 +20,24 @@ def _config(model, **kw):
     return EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=64, **kw)
 
 
+@pytest.fixture(scope="module")
+def shared_proc_llm(tiny_llama):
+    """One engine process for the tests that leave it running and idle (a spawn imports torch and
+    builds the model: seconds of CPU each on the 2-core box)."""
+    llm = AsyncLLM(_config(tiny_llama), engine_process=True)
+    yield llm
+    llm.shutdown()
+
+
 @pytest.fixture
-def proc_llm(tiny_llama):
+def proc_llm(shared_proc_llm):
+    yield shared_proc_llm
+    asyncio.run(_wait_idle(shared_proc_llm))  # the next test finds it at rest
+
+
+@pytest.fixture
+def own_proc_llm(tiny_llama):
+    """An engine process of the test's own, for a test that ends it."""
     llm = AsyncLLM(_config(tiny_llama), engine_process=True)
     yield llm
     llm.shutdown()
@@ -80,11 +96,13 @@ def test_engine_process_streams_what_the_thread_streams(tiny_llama, proc_llm):
         expected = asyncio.run(run(in_process))
     finally:
         in_process.shutdown()
+    generated_before = (proc_llm.get_stats() or {}).get("num_generated_tokens", 0)  # the module's engine
+    proc_llm.pop_iteration_stats()
     assert asyncio.run(run(proc_llm)) == expected
     assert proc_llm.engine_pid != os.getpid() and proc_llm.engine is None
     assert proc_llm.engine_config.max_model_len == in_process.engine_config.max_model_len
     stats = asyncio.run(_wait_idle(proc_llm))
-    assert stats["num_generated_tokens"] == 6 * 12
+    assert stats["num_generated_tokens"] - generated_before == 6 * 12
     assert sum(s.num_generation_tokens for s in proc_llm.pop_iteration_stats()) == 6 * 12
 
 
@@ -129,8 +147,9 @@ def tuple_prompt(pair: tuple) -> tuple:
     return pair[0], tuple(pair[1])
 
 
-def test_outputs_that_cannot_be_delivered_fail_every_waiter(proc_llm, monkeypatch):
+def test_outputs_that_cannot_be_delivered_fail_every_waiter(own_proc_llm, monkeypatch):
     """A bug in the parent's reader (here: restoring prompts raises) ends the engine, not the waits."""
+    proc_llm = own_proc_llm
     async def main():
         stream = proc_llm.generate("p", SamplingParams(max_tokens=400, **DELTA), "r")
         await stream.__anext__()

@@ -77,8 +77,13 @@ def _metric(http, name: str, default: float | None = None, **labels: str) -> flo
     app at `http`'s route prefix (the shared cluster's export holds other apps' series too).
 
     /metrics is Ray's export, published every METRICS_REPORT_INTERVAL_MS here: a value shows up to about twice that late."""
+    return _value(_app_metrics(http), name, default, **labels)
+
+
+def _value(lines: list[str], name: str, default: float | None = None, **labels: str) -> float:
+    """`_metric` on lines read once (a scrape parses the cluster's whole export: polls read once a round)."""
     values = []
-    for line in _app_metrics(http):
+    for line in lines:
         series, _, value = line.rpartition(" ")
         if (series == name or series.startswith(name + "{")) and all(f'{k}="{v}"' in series
                                                                      for k, v in labels.items()):
@@ -99,7 +104,7 @@ def _wait_metric(http, name: str, done, within_s: float = 15.0, **labels: str) -
     start = time.monotonic()
     while not done(value := _metric(http, name, default=0.0, **labels)):
         assert time.monotonic() - start < within_s, f"{name} {labels} = {value} after {within_s}s"
-        time.sleep(0.2)
+        time.sleep(0.25)  # a scrape costs the Ingress CPU; values change every 0.5 s
     return value
 
 
@@ -116,12 +121,12 @@ def _wait_engine_idle(http, within_s: float) -> float:
     """Seconds until no request runs or waits and the KV cache is empty; fails after `within_s`."""
     start = time.monotonic()
     while True:
-        running = _metric(http, "ray_rayllm_num_requests_running") + \
-            _metric(http, "ray_rayllm_num_requests_waiting")
-        if running == 0 and _metric(http, "ray_rayllm_kv_cache_usage_perc") == 0:
+        lines = _app_metrics(http)
+        running = _value(lines, "ray_rayllm_num_requests_running") + _value(lines, "ray_rayllm_num_requests_waiting")
+        if running == 0 and _value(lines, "ray_rayllm_kv_cache_usage_perc") == 0:
             return time.monotonic() - start
         assert time.monotonic() - start < within_s, f"engine still busy after {within_s}s ({running} requests)"
-        time.sleep(0.1)
+        time.sleep(0.2)
 
 
 # -- generation ----------------------------------------------------------------------

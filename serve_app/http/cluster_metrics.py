@@ -44,7 +44,7 @@ def merge_exports(texts: list[str], prefixes: tuple[str, ...]) -> str:
     """
     families: dict[str, _Family] = {}
     for text in texts:
-        for fam in text_string_to_metric_families(text):
+        for fam in text_string_to_metric_families(_lines_of(text, prefixes)):
             if not fam.name.startswith(prefixes):
                 continue
             merged = families.setdefault(fam.name, _Family(fam.name, fam.type, fam.documentation, []))
@@ -56,6 +56,23 @@ def merge_exports(texts: list[str], prefixes: tuple[str, ...]) -> str:
         out.append(f"# TYPE {name} {fam.type}")
         out.extend(fam.lines)
     return "\n".join(out) + "\n" if out else ""
+
+
+def _lines_of(text: str, prefixes: tuple[str, ...]) -> str:
+    """The lines of `text` that belong to families named with one of `prefixes`, kept before
+    parsing: Ray's export holds every Ray series (tasks, gRPC, Ray Data), several times what an
+    app exports, and the Prometheus parser's cost is per line. A family's samples (`_bucket`,
+    `_total`, ...) start with its name, so a line's own name decides."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            name = parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
+        else:
+            name = line.partition("{")[0].partition(" ")[0]
+        if name.startswith(prefixes):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
 
 
 def _sample_line(name: str, labels: dict[str, str], value: float) -> str:
@@ -93,7 +110,8 @@ class ClusterMetrics:
                 texts.append(answer.text)
             else:  # a node going away: the rest of the picture is still worth serving
                 missing.append(url)
-        body = merge_exports(texts, self.prefixes)
+        # Off the event loop: parsing a big cluster's export takes long enough to hold up streams.
+        body = await asyncio.to_thread(merge_exports, texts, self.prefixes)
         return "".join(f"# node export unreachable: {u}\n" for u in missing) + body
 
     async def _export_urls(self) -> list[str]:
