@@ -198,13 +198,21 @@ def policy(**changes):
         call_deployment(APP, "Guardrails", "reconfigure", POLICY)
 
 
-def _outcomes(http) -> dict[tuple[str, str], float]:
-    """Guardrail outcome counts (and, under "requests", HTTP requests) once /metrics has caught up:
-    it is Ray's metrics export, published every METRICS_REPORT_INTERVAL_MS, so read until two reads
-    further apart than that agree."""
+def _outcomes(http, after: dict | None = None, num_requests: int = 0) -> dict[tuple[str, str], float]:
+    """Guardrail outcome counts (and, under "requests", HTTP requests) once /metrics has caught up.
+    It is Ray's metrics export: a count shows up to about two METRICS_REPORT_INTERVAL_MS late (the
+    replica's report, then the agent's). With `after` (an earlier result) and `num_requests` (the
+    HTTP requests sent since), first until those requests are counted: the Ingress counts a request
+    after Guardrails counted its outcome. Then until two reads further apart than that lag agree."""
+    wanted = (after or {}).get(("requests", ""), 0.0) + num_requests
+    deadline = time.monotonic() + 30
     counts = _read_outcomes(http)
+    while counts.get(("requests", ""), 0.0) < wanted:
+        assert time.monotonic() < deadline, f"{num_requests} request(s) not in /metrics after 30 s: {counts}"
+        time.sleep(0.25)
+        counts = _read_outcomes(http)
     while True:
-        time.sleep(METRICS_REPORT_INTERVAL_MS / 1000 + 0.1)
+        time.sleep(2 * METRICS_REPORT_INTERVAL_MS / 1000 + 0.1)
         counts, previous = _read_outcomes(http), counts
         if counts == previous:
             return counts
@@ -273,7 +281,7 @@ def test_n_choices_each_pass_retrying_only_the_failing_ones(base_url, http):
     before = _outcomes(http)
     (result,) = asyncio.run(_chat(base_url, [dict(response_format=_schema_format(UNIQUE), temperature=1.0, seed=3,
                                                   n=4, max_tokens=20)]))
-    counted = _delta(before, _outcomes(http))
+    counted = _delta(before, _outcomes(http, before, 1))
     if isinstance(result, openai.UnprocessableEntityError):  # a choice failed 3 times: the contract still holds
         assert counted[("rejected", "schema")] == 1 and result.body["message"].startswith(
             "The output violated the response_format after 3 attempt(s): choice ")
@@ -289,7 +297,7 @@ def test_keyword_the_grammar_ignores_is_retried(base_url, http):
     bodies = [dict(response_format=_schema_format(UNIQUE), temperature=1.0, seed=s, max_tokens=20,
                    stream=s % 2 == 1) for s in range(8)]
     documents = [_valid_or_422(r, UNIQUE, code="schema") for r in asyncio.run(_chat(base_url, bodies))]
-    counted = _delta(before, _outcomes(http))
+    counted = _delta(before, _outcomes(http, before, len(bodies)))
     assert counted[("retried", "schema")] >= 1  # [false,false]: valid JSON, but not unique
     assert sum(d is not None for d in documents) == counted.get(("passed", "none"), 0) >= 1
 
@@ -301,7 +309,7 @@ def test_greedy_violation_is_not_retried(client, http):
                                        temperature=0, max_tokens=20)
     err = info.value.body
     assert err["code"] == "schema" and "after 1 attempt(s)" in err["message"] and "greedy" in err["message"]
-    assert _delta(before, _outcomes(http)) == {("rejected", "schema"): 1}
+    assert _delta(before, _outcomes(http, before, 1)) == {("rejected", "schema"): 1}
 
 
 def test_json_object_is_an_object_or_a_422(base_url):
@@ -348,7 +356,8 @@ def test_max_tokens_too_small_is_a_422_after_the_retries(client, http):
     assert (err["type"], err["code"], err["param"]) == ("guardrail_violation", "invalid_json", "response_format")
     assert err["message"].startswith("The output violated the response_format after 3 attempt(s): the output is "
                                      "not valid JSON (max_tokens cut it off")
-    assert _delta(before, _outcomes(http)) == {("retried", "invalid_json"): 2, ("rejected", "invalid_json"): 1}
+    assert _delta(before, _outcomes(http, before, 1)) == {("retried", "invalid_json"): 2,
+                                                           ("rejected", "invalid_json"): 1}
 
 
 def test_the_422_body_is_openai_shaped(http):
@@ -420,7 +429,7 @@ def test_redaction_pattern(base_url, http, stream):
         results = asyncio.run(_chat(base_url, bodies))
     for result in results:
         assert _valid_or_422(result, CONTACT) == {"contact": "[REDACTED]"}
-    assert _delta(before, _outcomes(http)).get(("passed", "redacted"), 0) >= 1
+    assert _delta(before, _outcomes(http, before, len(bodies))).get(("passed", "redacted"), 0) >= 1
 
 
 def test_redaction_holds_a_stream_back_until_validated(http):
@@ -447,12 +456,13 @@ def test_plain_requests_next_to_json_ones_are_unchanged(base_url, reference):
 
 
 def test_outcomes_are_in_the_metrics(client, http):
+    before = _outcomes(http)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=_schema_format(DEEP), seed=0,
                                    temperature=1.0, max_tokens=100)
     with pytest.raises(openai.UnprocessableEntityError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=_schema_format(UNIQUE),
                                        temperature=0, max_tokens=20)
-    counts = _outcomes(http)
+    counts = _outcomes(http, before, 2)
     assert counts[("passed", "none")] >= 1 and counts[("rejected", "schema")] >= 1
     text = "\n".join(line for line in http.get("/metrics").text.splitlines() if f'application="{APP}"' in line)
     assert 'model_name="tiny-llama"' in text and 'outcome="passed"' in text
