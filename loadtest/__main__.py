@@ -5,6 +5,7 @@
     python -m loadtest ... --request-rate 1,2,4,8          # open loop: Poisson arrivals, req/s per level
     python -m loadtest compare ours/results.json vllm/results.json --out bench_out/compare
     python -m loadtest --workload multiturn --model models/tiny-llama   # routers on chats: loadtest/multiturn.py
+    python -m loadtest --workload spec --model models/smollm2-135m-instruct  # speculation: loadtest/online_spec.py
 
 Per concurrency level: TTFT, ITL, TPOT and end-to-end latency (p50/p90/p99),
 request and output-token throughput, errors. Writes DIR/results.json and two
@@ -100,9 +101,10 @@ def redact(argv: list[str]) -> list[str]:
 
 
 def split_workload(argv: list[str]) -> tuple[str, list[str]]:
-    """--workload random (the sweep below, the default) or multiturn (loadtest/multiturn.py), and the rest."""
+    """--workload random (the sweep below, the default), multiturn (loadtest/multiturn.py) or spec
+    (loadtest/online_spec.py), and the rest."""
     pre = argparse.ArgumentParser(prog="python -m loadtest", add_help=False)
-    pre.add_argument("--workload", choices=["random", "multiturn"], default="random")
+    pre.add_argument("--workload", choices=["random", "multiturn", "spec"], default="random")
     known, rest = pre.parse_known_args(argv)
     return known.workload, rest
 
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
         from loadtest.multiturn import main as multiturn
 
         return multiturn(rest, ["python", "-m", "loadtest", *redact(argv)])
+    if workload == "spec":
+        from loadtest.online_spec import main as online_spec
+
+        return online_spec(rest, ["python", "-m", "loadtest", *redact(argv)])
     cfg = parse_args(rest)
     results = base_metadata(["python", "-m", "loadtest", *redact(argv)])
     try:
