@@ -22,7 +22,7 @@ from serve_app.replica.engine_deployment import SHUTDOWN_MESSAGE
 
 pytestmark = pytest.mark.timeout(600)
 
-GRACE_S = 10.0  # the deployments' graceful_shutdown_timeout_s: the aborts come after ~5 s of it
+GRACE_S = 8.0  # the deployments' graceful_shutdown_timeout_s: the aborts come after ~3 s of it
 MAX_MODEL_LEN = 65536
 MAX_TOKENS = 60000  # minutes of tokens on any CPU: the requests cannot finish during the stop
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "ignore_eos": True,
