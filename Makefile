@@ -24,11 +24,9 @@ TINY_MODEL := models/tiny-llama
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned: an unpinned torch pulls the CUDA build. --no-compile: pip byte-compiles
-	# every module it installs (Ray and torch: ~40% of the install's time); Python compiles the few
-	# it imports on first use instead (docs/benchmarks.md, "The test suite's time").
-	$(BIN)/pip install -q --no-compile torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q --no-compile -e '.[serve,test]'
+	# torch first and pinned: an unpinned torch pulls the CUDA build.
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[serve,test]'
 	touch $@
 
 setup: $(BIN)/.installed
