@@ -107,16 +107,31 @@ def build_engines(model_path: Path, args) -> dict:
 
     common = dict(model=str(model_path), dtype="float32", device="cpu", max_num_seqs=max(args.concurrency),
                   seed=args.seed)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
-    if args.speculative == "draft":
-        spec = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens,
-                "model": str(args.draft_model)}
-    engines = {"baseline": LLM(**common), "spec": LLM(**common, speculative_config=spec)}
+    engines = {"baseline": LLM(**common), "spec": LLM(**common, speculative_config=speculative_config(args))}
     warmup = make_copy_workload(2, args.seed + 999, args.vocab_limit, (16, 32), (8, 8))
     for llm in engines.values():
         run_at_concurrency(llm, warmup, 0.0, 2, args.seed)
     return engines
+
+
+def speculative_config(args: argparse.Namespace) -> dict:
+    """The engine's `speculative_config` from the flags `add_speculation_args` adds."""
+    if args.speculative == "draft":
+        return {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens,
+                "model": str(args.draft_model)}
+    return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+
+
+def add_speculation_args(ap: argparse.ArgumentParser) -> None:
+    """The flags both speculation benchmarks take (offline here, served in loadtest/online_spec.py)."""
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--draft-model", type=Path, default=None, help="--speculative draft: the draft checkpoint")
+    ap.add_argument("--workloads", default="copy,random", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    ap.add_argument("--num-requests", type=int, default=16, help="per workload and concurrency")
+    ap.add_argument("--seed", type=int, default=0)
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -131,15 +146,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m loadtest.offline --speculative",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--speculative", choices=("ngram", "draft"), required=True)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
-    ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--draft-model", type=Path, default=None, help="--speculative draft: the draft checkpoint")
+    add_speculation_args(ap)
     ap.add_argument("--concurrency", default="1,4,16", help="requests in flight, comma-separated")
-    ap.add_argument("--workloads", default="copy,random", help=f"comma-separated, of {sorted(WORKLOADS)}")
-    ap.add_argument("--num-requests", type=int, default=16, help="per workload and concurrency")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs of each engine per level, interleaved")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a small workload for a smoke test")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--model", default=None, help="a checkpoint instead of the bench model")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loadtest.client import Target, build_payload, endpoint_url, open_session, send_request
 from loadtest.multiturn import _key_value
-from loadtest.offline_spec import WORKLOADS, _acceptance
+from loadtest.offline_spec import WORKLOADS, _acceptance, add_speculation_args, speculative_config
 from loadtest.report import base_metadata, format_table, write_json
 from loadtest.stats import summarize
 from loadtest.workload import BenchRequest, prompt_id_limit
@@ -94,14 +94,6 @@ def app_args(a: argparse.Namespace, variant: str) -> dict:
     if variant == "spec":
         args["speculative_config"] = speculative_config(a)
     return args
-
-
-def speculative_config(a: argparse.Namespace) -> dict:
-    if a.speculative == "draft":
-        return {"method": "draft_model", "num_speculative_tokens": a.num_speculative_tokens,
-                "model": str(a.draft_model)}
-    return {"method": "ngram", "num_speculative_tokens": a.num_speculative_tokens,
-            "prompt_lookup_min": a.prompt_lookup_min, "prompt_lookup_max": a.prompt_lookup_max}
 
 
 def run_variant(url: str, a: argparse.Namespace, levels: list[tuple]) -> list[dict]:
@@ -180,16 +172,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m loadtest --workload spec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="a checkpoint dir (or a GGUF model dir)")
     ap.add_argument("--speculative", choices=("ngram", "draft"), default="ngram")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
-    ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--draft-model", type=Path, default=None, help="--speculative draft: the draft checkpoint")
+    add_speculation_args(ap)
     ap.add_argument("--concurrency", default="1,4,16", help="clients, comma-separated")
-    ap.add_argument("--workloads", default="copy,random", help=f"comma-separated, of {sorted(WORKLOADS)}")
-    ap.add_argument("--num-requests", type=int, default=16, help="per workload and concurrency")
     ap.add_argument("--rounds", type=int, default=1, help="both apps this many times, each first in turn; medians")
     ap.add_argument("--serve-arg", type=_key_value, action="append", default=[], help="an app arg for both apps")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     ap.add_argument("--quick", action="store_true", help="a small workload for a smoke test")
     ap.add_argument("--out", type=Path, default=Path("bench_out/online_spec.json"))
