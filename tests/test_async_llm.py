@@ -204,32 +204,30 @@ def test_stream_interval_sends_fewer_larger_outputs_and_loses_nothing(make_llm):
 def test_stream_interval_holds_nothing_before_the_first_text(make_llm):
     """Outputs with tokens but no text yet (here: text held back as a possible stop string; in
     real use a first token that is half a UTF-8 character) are not held, so the first visible
-    text comes when the engine makes it, not an interval later."""
+    text comes when the engine makes it, not an interval later. Told apart by what the stream
+    holds, not by how many tokens a reader sees (a reader that wakes late sees merged deltas):
+    with an interval longer than the whole generation, a hold before the first text would bring
+    that text only with the final output; after it, the next output is the final one."""
     llm = make_llm()
     never = "\x00" * 8  # never generated: keeps the last 7 characters of text back until the end
-    params = lambda: SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop=[never],  # noqa: E731
+    params = lambda: SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, stop=[never],  # noqa: E731
                                     output_kind=RequestOutputKind.DELTA)
 
     async def main():
         every = await _collect(llm, "Once upon", params(), "every")
-        chunked = [out async for out in llm.generate("Once upon", params(), "chunked", stream_interval_s=0.5)]
-        return every, chunked
-    every, chunked = asyncio.run(main())
+        held = [out async for out in llm.generate("Once upon", params(), "held", stream_interval_s=1000.0)]
+        return every, held
+    every, held = asyncio.run(main())
 
-    def tokens_until_text(outs) -> int:
-        n = 0
-        for out in outs:
-            n += len(out.outputs[0].token_ids)
-            if out.outputs[0].text:
-                return n
-        raise AssertionError("no output carried text")
-    first_text_at = tokens_until_text(every)
-    assert 1 < first_text_at < 60  # the case under test: the first outputs carry tokens and no text
-    assert _token_ids(chunked) == _token_ids(every)
-    # Unheld, the first text arrives with the token that made it (a step or two of slack for a
-    # reader that woke late); held 0.5 s after the first token, it would come dozens of tokens later.
-    assert tokens_until_text(chunked) <= first_text_at + 2
-    assert len(chunked) < len(every)  # after the first text, outputs are held again
+    def first_text(outs) -> int:
+        return next(i for i, out in enumerate(outs) if out.outputs[0].text)
+    # The case under test: the first token's text (up to 7 characters) is held back, so the first
+    # output a prompt reader sees carries a token and no text.
+    assert len(llm.tokenizer.decode(_token_ids(every)[:1])) <= len(never) - 1
+    assert _token_ids(held) == _token_ids(every)
+    i = first_text(held)
+    assert not held[i].finished  # not held until the end, though the interval outlasts the request
+    assert len(held) == i + 2 and held[-1].finished  # then held: the next output is the final one
 
 
 def test_negative_stream_interval_is_rejected(make_llm):
