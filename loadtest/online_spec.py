@@ -96,16 +96,18 @@ def app_args(a: argparse.Namespace, variant: str) -> dict:
     return args
 
 
-def run_variant(url: str, a: argparse.Namespace, levels: list[tuple]) -> list[dict]:
-    """Every level on one app: its figures, and the spec counters it moved (settled before and after)."""
+def run_variant(url: str, a: argparse.Namespace, levels: list[tuple], count_drafts: bool) -> list[dict]:
+    """Every level on one app: its figures, and (count_drafts: the app with speculation) the spec
+    counters each level moved, read settled once before the first level and once after each."""
     warmup = WORKLOADS["copy"][0](2, a.seed + 999, a.vocab_limit, (16, 32), (8, 8))
     asyncio.run(run_level(url, warmup, 0.0, 2, a.seed, a.request_timeout))
+    counters = wait_counters_settled(url) if count_drafts else dict.fromkeys(SPEC_COUNTERS, 0.0)
     out = []
     for workload, c, temperature, requests in levels:
-        before = wait_counters_settled(url)
         result = asyncio.run(run_level(url, requests, temperature, c, a.seed, a.request_timeout))
-        after = wait_counters_settled(url)
-        result["counters"] = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+        now = wait_counters_settled(url) if count_drafts else counters
+        result["counters"] = {k: now[k] - counters[k] for k in SPEC_COUNTERS}
+        counters = now
         _progress(f"{workload} c={c}: {result['tokens_per_s']:.1f} tok/s")
         out.append(result)
     return out
@@ -131,7 +133,8 @@ def run_rounds(a: argparse.Namespace, levels: list[tuple]) -> list[dict]:
             for variant in (VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]):
                 _progress(f"round {rnd + 1}/{a.rounds}: {variant}")
                 with deployed_app(cluster_url, app_args(a, variant), f"spec_{variant}") as url:
-                    runs.append({"variant": variant, "round": rnd, "levels": run_variant(url, a, levels)})
+                    runs.append({"variant": variant, "round": rnd,
+                                 "levels": run_variant(url, a, levels, count_drafts=variant == "spec")})
     return runs
 
 

@@ -45,8 +45,6 @@ def merge_exports(texts: list[str], prefixes: tuple[str, ...]) -> str:
     families: dict[str, _Family] = {}
     for text in texts:
         for fam in text_string_to_metric_families(_lines_of(text, prefixes)):
-            if not fam.name.startswith(prefixes):
-                continue
             merged = families.setdefault(fam.name, _Family(fam.name, fam.type, fam.documentation, []))
             merged.lines.extend(_sample_line(s.name, s.labels, s.value) for s in fam.samples)
     out = []

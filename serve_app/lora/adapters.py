@@ -15,11 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.lora.peft_adapter import (
-    WEIGHTS_NAME,
-    read_adapter_config,
-    safetensors_shapes,
-)
+from engine.lora.peft_adapter import WEIGHTS_NAME, read_adapter_config, safetensors_shapes
 
 if TYPE_CHECKING:
     from engine.config.model import ModelConfig
