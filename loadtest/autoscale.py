@@ -34,7 +34,8 @@ DEMO_ARGS = {  # app args of the demo: small batches so that a CPU box reaches t
     "downscale_delay_s": 8.0, "look_back_period_s": 2.0, "metrics_interval_s": 0.5,
     "graceful_shutdown_timeout_s": 2.0, "served_model_name": "tiny",
 }
-_TOKENS_LINE = re.compile(r'^ray_rayllm_generation_tokens_total\{[^}]*replica="([^"]+)"[^}]*\}\s+(\S+)$')
+_TOKENS_LINE = re.compile(r'^ray_rayllm_generation_tokens_total\{([^}]*)\}\s+(\S+)$')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def engine_status(app_name: str) -> dict:
@@ -69,13 +70,17 @@ def _plain(obj):
     return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
-def tokens_by_replica(metrics_text: str) -> dict[str, float]:
-    """Generated tokens per engine replica so far, from a /metrics scrape."""
+def tokens_by_replica(metrics_text: str, app_name: str | None = None) -> dict[str, float]:
+    """Generated tokens per engine replica so far, from a /metrics scrape: of `app_name`'s replicas
+    only when given (a cluster's export holds every app's, and stopped replicas' series linger)."""
     out: dict[str, float] = {}
     for line in metrics_text.splitlines():
         m = _TOKENS_LINE.match(line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group(1)))
+        if "replica" in labels and (app_name is None or labels.get("application") == app_name):
+            out[labels["replica"]] = out.get(labels["replica"], 0.0) + float(m.group(2))
     return out
 
 
@@ -100,7 +105,8 @@ class Sampler:
     def sample(self) -> dict:
         status = engine_status(self.app_name)
         try:
-            tokens = tokens_by_replica(httpx.get(self.url + "/metrics", timeout=10, trust_env=False).text)
+            tokens = tokens_by_replica(httpx.get(self.url + "/metrics", timeout=10, trust_env=False).text,
+                                       self.app_name)
         except httpx.HTTPError:
             tokens = {}
         s = {"t_s": round(time.monotonic() - self.t0, 2), "running": status["replica_states"].get("RUNNING", 0),

@@ -42,7 +42,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine = EngineDeployment.options(**engine_options(a, device)).bind(a, device)
     guardrails = Guardrails.options(
         num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0}, **router_options(a, engine=False)).bind(engine, a.guardrails)
+        ray_actor_options={"num_cpus": 0}, **shutdown_options(a), **router_options(a, engine=False),
+    ).bind(engine, a.guardrails)
     return Ingress.options(**ingress_options(a)).bind(engine, guardrails, a)
 
 
@@ -62,7 +63,7 @@ def engine_options(a: AppArgs, device: str) -> dict[str, Any]:
         "user_config": a.streaming().model_dump(),
         "health_check_period_s": a.health_check_period_s,
         "health_check_timeout_s": a.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
+        **shutdown_options(a),
         **engine_placement(device, a.tensor_parallel_size, a.engine_num_cpus),
         **router_options(a),
     }
@@ -76,6 +77,12 @@ def colocated_options(a: AppArgs, device: str) -> dict[str, Any]:
                                           2 * a.max_batch_size)
     options["user_config"] = {**a.batching().model_dump(), **a.streaming().model_dump()}
     return options
+
+
+def shutdown_options(a: AppArgs) -> dict[str, Any]:
+    """How every deployment's replicas stop: drained for up to graceful_shutdown_timeout_s."""
+    return {"graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": a.graceful_shutdown_wait_loop_s}
 
 
 def router_options(a: AppArgs, engine: bool = True) -> dict[str, Any]:
@@ -104,5 +111,5 @@ def ingress_options(a: AppArgs) -> dict[str, Any]:
         "max_ongoing_requests": max_ongoing,
         "user_config": a.batching().model_dump(),
         "ray_actor_options": {"num_cpus": 0},
-        "graceful_shutdown_timeout_s": a.graceful_shutdown_timeout_s,
+        **shutdown_options(a),
     }

@@ -151,6 +151,18 @@ def test_deployment_options():
     assert ing["user_config"]["max_batch_size"] == 600
 
 
+def test_every_deployment_stops_as_the_args_say():
+    a = parse_app_args({"model": "m", "graceful_shutdown_timeout_s": 7, "graceful_shutdown_wait_loop_s": 0.25})
+    want = {"graceful_shutdown_timeout_s": 7.0, "graceful_shutdown_wait_loop_s": 0.25}
+    for opts in (engine_options(a, "cpu"), ingress_options(a), colocated_options(a, "cpu")):
+        assert {k: opts[k] for k in want} == want
+    app = build_app({"model": "m", "device": "cpu", "check_model_at_build": False, "graceful_shutdown_wait_loop_s": 0.25})
+    guardrails = app._bound_deployment.init_args[1]  # Ingress.bind(engine, guardrails, args)
+    assert guardrails._bound_deployment._deployment_config.graceful_shutdown_wait_loop_s == 0.25
+    with pytest.raises(ValueError, match="graceful_shutdown_wait_loop_s"):
+        parse_app_args({"model": "m", "graceful_shutdown_wait_loop_s": 0})
+
+
 def test_colocated_ingress_takes_the_engines_options_and_both_live_configs():
     a = parse_app_args({"model": "m", "colocate_ingress": True, "max_replicas": 3, "max_num_seqs": 600,
                         "max_batch_size": 4, "stream_interval_ms": 5})
@@ -224,6 +236,7 @@ def test_deploy_config_is_a_valid_serve_config():
     BatchingConfig.model_validate({k: v for k, v in ingress.user_config.items() if k not in streaming})
     assert StreamingConfig.model_validate(streaming) == parse_app_args(app.args).streaming()  # args and live agree
     assert ingress.health_check_period_s == 10 and ingress.graceful_shutdown_timeout_s == 20  # the engine's
+    assert ingress.graceful_shutdown_wait_loop_s == parse_app_args(app.args).graceful_shutdown_wait_loop_s
 
 
 def test_cpu_threads_split_over_tp_ranks(monkeypatch):

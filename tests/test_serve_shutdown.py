@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.local import call_deployment, delete_app, deploy_app, engine_deployment
+from serve_app.local import call_deployment, delete_app, delete_apps, deploy_apps, engine_deployment
 from serve_app.replica.draining import SHUTDOWN_RESERVE_S, DrainPolicy, abort_when_stopping
 from serve_app.replica.engine_deployment import SHUTDOWN_MESSAGE
 
@@ -59,10 +59,24 @@ def _wait_running(app: str, num_requests: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def _app_name(colocate: bool) -> str:
+    return "test_serve_shutdown_" + ("colocated" if colocate else "apart")
+
+
+@pytest.fixture(scope="module")
+def both_shapes(ray_cluster, long_model):
+    """Both shapes' apps, deployed side by side (their replicas start at once); each test deletes its own."""
+    names = {colocate: _app_name(colocate) for colocate in (False, True)}
+    deploy_apps({name: (_args(long_model, colocate), f"/{name}") for colocate, name in names.items()})
+    yield names
+    import ray.serve
+
+    delete_apps([name for name in names.values() if name in ray.serve.status().applications])
+
+
 @pytest.mark.parametrize("colocate", [False, True], ids=["three_deployments", "colocated"])
-def test_deleting_the_app_ends_running_requests_with_an_error(ray_cluster, long_model, colocate):
-    name = "test_serve_shutdown_" + ("colocated" if colocate else "apart")
-    deploy_app(_args(long_model, colocate), name, route_prefix=f"/{name}")
+def test_deleting_the_app_ends_running_requests_with_an_error(ray_cluster, both_shapes, colocate):
+    name = both_shapes[colocate]
     deleted = threading.Event()
     try:
         with httpx.Client(base_url=f"{ray_cluster}/{name}", timeout=120) as client:
