@@ -5,6 +5,8 @@ Both take the same `BenchRequest`s as our engine and run under
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +61,29 @@ def load_hf_from_gguf(view: str | Path, gguf_file: Path, dtype: torch.dtype = to
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(view), dtype=dtype)
-    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
+    with _one_tensor_name_map():
+        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(f"{gguf_file.name}: transformers' tensors do not fit the model: "
                          f"missing {missing[:10]}, unexpected {unexpected[:10]}")
     model.tie_weights()
     return model
+
+
+@contextlib.contextmanager
+def _one_tensor_name_map():
+    """transformers asks gguf for its tensor name map once per module of the model it maps, and
+    gguf builds the map anew each time (most of a small model's load); the map is a pure function
+    of (architecture, depth), so one of each is built while transformers loads."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
