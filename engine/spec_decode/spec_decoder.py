@@ -34,7 +34,8 @@ class SpecDecoder:
     def propose(self, running: list[Sequence]) -> None:
         """Give every running sequence that decodes next its drafts (`spec_token_ids`; [] for the rest),
         unless the acceptance guard has paused it. A grammar cuts a draft at its first token the
-        grammar refuses (the matcher is left as it was)."""
+        grammar refuses (the matcher is left as it was), and the cut draft is verified one-hot,
+        without its q: a cut that depends on tokens drawn from q would bias q's acceptance test."""
         live = {seq.seq_id for seq in running}
         self.guard.retain(live)
         self.proposer.retain(live)
@@ -46,7 +47,7 @@ class SpecDecoder:
         if asking:
             for seq, draft in zip(asking, self.proposer.propose(asking)):
                 if seq.grammar is not None and draft:
-                    draft = draft[:seq.grammar.draft_prefix(draft)]
+                    draft = list(draft[:seq.grammar.draft_prefix(draft)])
                 seq.spec_token_ids = draft
 
     def record(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
