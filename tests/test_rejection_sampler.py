@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 
-from engine.core.messages import DraftTokens
 from engine.core.sequence import Sequence
 from engine.sampling_params import SamplingParams
 from engine.worker.rejection_sampler import RejectionSampler
@@ -13,8 +12,9 @@ from engine.worker.sampler import Sampler
 VOCAB = 6
 
 
-def verify(seqs, drafts, logits, seed=0):
-    return RejectionSampler(Sampler(seed=seed, device="cpu"))(logits, seqs, drafts).to_runner_output()
+def verify(seqs, drafts, logits, seed=0, draft_probs=None):
+    sampler = RejectionSampler(Sampler(seed=seed, device="cpu"))
+    return sampler(logits, seqs, drafts, draft_probs=draft_probs).to_runner_output()
 
 
 def one_hot_rows(argmaxes):
@@ -116,10 +116,11 @@ Q = torch.softmax(torch.tensor([[1.0, 0.5, -0.5, 0.3, -1.0, 1.2],
                                 [-0.5, 1.0, 0.8, 0.6, -1.0, 0.2]]) * 1.5, dim=-1)
 
 
-def sampled_drafts(n, q=Q, seed=7):
-    """n drafts of len(q) tokens, token i drawn from q[i] (as the draft model draws them), with q."""
-    tokens = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(seed)).T
-    return [DraftTokens(row.tolist(), q) for row in tokens]
+def sampled_drafts(seqs, q=Q, seed=7):
+    """A draft of len(q) tokens per sequence, token i drawn from q[i] (as the draft model draws
+    them), and q for each (SchedulerOutput.spec_draft_probs)."""
+    tokens = torch.multinomial(q, len(seqs), replacement=True, generator=torch.Generator().manual_seed(seed)).T
+    return [row.tolist() for row in tokens], {seq.seq_id: q for seq in seqs}
 
 
 def emitted(out, drafts, position):
@@ -136,8 +137,8 @@ def test_drafts_sampled_from_q_keep_the_target_distribution():
     n = 4000
     p = torch.softmax(TARGET_ROWS / 0.8, dim=-1)
     seqs = [Sequence("r", [0], SamplingParams(temperature=0.8)) for _ in range(n)]
-    drafts = sampled_drafts(n)
-    out = verify(seqs, drafts, TARGET_ROWS.repeat(n, 1), seed=123)
+    drafts, draft_probs = sampled_drafts(seqs)
+    out = verify(seqs, drafts, TARGET_ROWS.repeat(n, 1), seed=123, draft_probs=draft_probs)
     limit = chi2_threshold(VOCAB - 1)
     for position in (0, 1):
         tokens = emitted(out, drafts, position)
@@ -154,24 +155,22 @@ def test_drafts_sampled_from_the_targets_own_distribution_are_all_accepted():
     n = 500
     p = torch.softmax(TARGET_ROWS, dim=-1)
     seqs = [Sequence("r", [0], SamplingParams(temperature=1.0)) for _ in range(n)]
-    out = verify(seqs, sampled_drafts(n, q=p[:2]), TARGET_ROWS.repeat(n, 1))
+    drafts, draft_probs = sampled_drafts(seqs, q=p[:2])
+    out = verify(seqs, drafts, TARGET_ROWS.repeat(n, 1), draft_probs=draft_probs)
     assert sum(out.num_accepted_tokens) >= 0.99 * 2 * n
 
 
-def test_a_cut_draft_keeps_its_q_rows_beside_one_hot_drafts():
-    """The scheduler cuts drafts with `drafts[:n]`: q's rows follow the tokens. Here q = p at the
-    kept draft, so it is always accepted (p(d) / q(d) = 1), where a draft that lost its q would be
-    accepted as one-hot, with p(d) = 0.3. An n-gram draft and a greedy row in the same batch keep
-    their own tests."""
+def test_drafts_with_q_beside_one_hot_drafts():
+    """Only the sequences in draft_probs are verified with q. Here q = p at their draft, so it is
+    always accepted (p(d) / q(d) = 1), where a draft without q would be accepted as one-hot, with
+    p(d) = 0.3. An n-gram draft and a greedy row in the same batch keep their own tests."""
     n = 200
     p = torch.tensor([0.1, 0.2, 0.1, 0.3, 0.2, 0.1])
-    q = torch.stack([p, torch.full((VOCAB,), 1 / VOCAB)])
-    draft = DraftTokens([3, 3], q)[:1]
-    assert isinstance(draft, DraftTokens) and torch.equal(draft.draft_probs, q[:1])
     seqs = [Sequence("s", [0], SamplingParams(temperature=1.0)) for _ in range(n)]
     seqs += [Sequence("n", [0], SamplingParams(temperature=1.0)), greedy_seq()]
     rows = torch.cat([torch.stack([p.log(), torch.zeros(VOCAB)]).repeat(n, 1), one_hot_rows([2, 1, 4])])
-    out = verify(seqs, [draft] * n + [[2], []], rows)
+    draft_probs = {seq.seq_id: p.unsqueeze(0) for seq in seqs[:n]}
+    out = verify(seqs, [[3]] * n + [[2], []], rows, draft_probs=draft_probs)
     assert out.num_accepted_tokens == [1] * n + [1, 0]
     assert out.sampled_token_ids[-1] == 4
 
@@ -179,4 +178,4 @@ def test_a_cut_draft_keeps_its_q_rows_beside_one_hot_drafts():
 def test_draft_probs_of_the_wrong_shape_are_refused():
     seq = Sequence("r", [0], SamplingParams(temperature=1.0))
     with pytest.raises(ValueError, match=r"draft_probs must be \[num_draft_tokens=2, vocab=6\], got \(1, 6\)"):
-        verify([seq], [DraftTokens([1, 2], torch.full((1, VOCAB), 1 / VOCAB))], torch.zeros(3, VOCAB))
+        verify([seq], [[1, 2]], torch.zeros(3, VOCAB), draft_probs={seq.seq_id: torch.full((1, VOCAB), 1 / VOCAB)})

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.sequence import Sequence
 from engine.lora.request import LoRARequest
@@ -39,9 +40,15 @@ class SchedulerOutput:
     sample_flags: list[bool] = field(default_factory=list)   # its chunk reaches its last token: sample
     # Speculative decoding: seq_id -> the draft tokens scheduled after its last token. Such a
     # sequence computes 1 + len(drafts) rows, all of which sample (the rejection sampler keeps
-    # the agreeing prefix and one more token). Empty when no sequence has drafts. A draft sampled
-    # from the draft model's distribution is a `DraftTokens`, which carries that distribution.
+    # the agreeing prefix and one more token). Empty when no sequence has drafts.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # ... and q of the drafts the draft model sampled from its distribution: seq_id -> torch.Tensor
+    # [len(spec_token_ids[seq_id]), vocab] float32 on the device, row i the normalised q draft i
+    # was drawn from (the acceptance test needs q(d), a rejection all of q). Attached after
+    # schedule() by SpecDecoder.attach_draft_probs, cut with the drafts; a draft without an entry
+    # (n-gram, argmax, grammar-cut) is verified as one-hot. Read by rank 0's rejection sampler
+    # only: TP workers get the ModelInput. Typed loosely to keep this module torch-free.
+    spec_draft_probs: dict[int, Any] = field(default_factory=dict)
     # The host KV tier's copies, run before the forward, outs first (engine/core/kv_offload.py):
     # (device block, host block) of evicted prefix blocks, (host block, device block) of host hits.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -64,30 +71,6 @@ class SchedulerOutput:
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences that sample this step, in flat order (the rows of the logits)."""
         return [s for s, f in zip(self.seqs, self.sample_flags) if f]
-
-
-class DraftTokens(list):
-    """Draft tokens sampled from the draft model's distribution q, and q: the acceptance test of a
-    sampled draft needs q(d) and, at a rejection, all of q (engine/worker/rejection_sampler.py).
-
-    A list of ids like any draft, so it travels where drafts do (Sequence.spec_token_ids ->
-    SchedulerOutput.spec_token_ids -> the rejection sampler) and the scheduler's cut `drafts[:n]`
-    keeps q's first n rows with the first n tokens. Any other copy is a plain list: verified as a
-    one-hot draft, which is still exact (that test holds for any draft), only accepted less often.
-    """
-
-    __slots__ = ("draft_probs",)
-
-    def __init__(self, token_ids: list[int], draft_probs):
-        super().__init__(token_ids)
-        # torch.Tensor [len(token_ids), vocab] float32 on the device: row i is q at draft i (normalised,
-        # after the request's processing), from which token i was drawn. Opaque here (no torch).
-        self.draft_probs = draft_probs
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return DraftTokens(list.__getitem__(self, index), self.draft_probs[index])
-        return list.__getitem__(self, index)
 
 
 @dataclass

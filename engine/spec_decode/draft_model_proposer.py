@@ -15,9 +15,10 @@ pool holds as many blocks as the target's, and full blocks of agreed tokens go t
 cache, so n > 1 siblings and repeated prompts share them as they do in the target.
 
 Greedy requests get the draft's argmax at each step. Sampled ones get a sample of the draft's q
-(draft_sampler.py), and q's k rows go with the drafts (`DraftTokens`) to the rejection sampler,
-which accepts d with probability min(1, p(d) / q(d)): a draft model close to the target has
-nearly all its drafts accepted, where an argmax draft is accepted with probability p(argmax).
+(draft_sampler.py), and q's rows go to the rejection sampler (`take_draft_probs` -> SpecDecoder
+-> SchedulerOutput.spec_draft_probs, cut with the drafts), which accepts d with probability
+min(1, p(d) / q(d)): a draft model close to the target has nearly all its drafts accepted, where
+an argmax draft is accepted with probability p(argmax).
 Requests with a grammar keep argmax drafts: the grammar cuts a draft at a token it refuses, and
 a cut that depends on the drawn tokens would bias the q test (the one-hot test holds for any draft).
 """
@@ -29,7 +30,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from engine.core.block_manager import BlockManager
-from engine.core.messages import DraftTokens, SchedulerOutput
+from engine.core.messages import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.loader.model_path import resolve_model_path
 from engine.sampling_params import SamplingParams
@@ -60,9 +61,10 @@ class DraftModelProposer:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._shadows: dict[int, Sequence] = {}  # target seq_id -> its shadow
         self._num_synced: dict[int, int] = {}    # target seq_id -> tokens its shadow is known to share
-        # This proposal's q: [num sampled shadows, k, vocab], row of each sampled shadow's seq_id.
+        # q while a proposal is made: [num sampled shadows, k, vocab], row of each sampled shadow's seq_id.
         self._draft_probs: torch.Tensor | None = None
         self._probs_row: dict[int, int] = {}
+        self._taken_probs: dict[int, torch.Tensor] = {}  # the last proposal's, until taken
         logger.info("draft model %s: %d KV blocks", draft.architecture, num_kv_blocks)
 
     def retain(self, seq_ids: set[int]) -> None:
@@ -82,14 +84,23 @@ class DraftModelProposer:
                 break
             self._run(self._decode_step(active), step)
         drafts = [s.token_ids[self._num_synced[seq.seq_id]:] for seq, s in zip(seqs, shadows)]
-        return [self._with_probs(d, s) for d, s in zip(drafts, shadows)]
+        self._taken_probs = self._probs_by_seq(seqs, shadows, drafts)
+        self._draft_probs = None
+        return drafts
 
-    def _with_probs(self, draft: list[int], shadow: Sequence) -> list[int]:
-        """A sampled shadow's draft as DraftTokens with its q rows; any other draft as it is."""
-        row = self._probs_row.get(shadow.seq_id)
-        if row is None or not draft:
-            return draft
-        return DraftTokens(draft, self._draft_probs[row, :len(draft)])
+    def take_draft_probs(self) -> dict[int, torch.Tensor]:
+        """The last proposal's q, once: target seq_id -> [len(draft), vocab] for each sampled,
+        non-empty draft (argmax drafts have none)."""
+        probs, self._taken_probs = self._taken_probs, {}
+        return probs
+
+    def _probs_by_seq(self, seqs: list[Sequence], shadows: list[Sequence],
+                      drafts: list[list[int]]) -> dict[int, torch.Tensor]:
+        """target seq_id -> q [len(draft), vocab] of each sampled shadow's non-empty draft (views
+        of this proposal's `_draft_probs`)."""
+        rows = [(seq.seq_id, self._probs_row.get(shadow.seq_id), len(draft))
+                for seq, shadow, draft in zip(seqs, shadows, drafts)]
+        return {seq_id: self._draft_probs[row, :n] for seq_id, row, n in rows if row is not None and n}
 
     # -- the shadow sequences -------------------------------------------------------------------
     def _sync(self, seq: Sequence) -> Sequence:

@@ -14,10 +14,11 @@ Sampled rows use standard speculative sampling (Leviathan et al. 2023, Chen et a
 d_{i+1} with probability min(1, p_i(d) / q_i(d)), and at the first rejection emit a sample of
 norm(max(0, p_i - q_i)); when all are accepted, a sample of p_k. The emitted tokens are then
 distributed exactly as tokens drawn one at a time from p. A draft model's sampled drafts come
-with q (`DraftTokens`: q_i of every draft, as the draft model drew it). Other drafts (n-gram,
-argmax drafts of the draft model) are deterministic given the context, so q is one-hot at the
-draft: accept with probability p_i(d), resample from p_i with d taken out; that test is exact
-for a draft drawn in any way, only less often accepted than q's own.
+with q (`draft_probs`, from SchedulerOutput.spec_draft_probs: q_i of every draft, as the draft
+model drew it). Other drafts (n-gram, argmax drafts of the draft model) are deterministic given
+the context, so q is one-hot at the draft: accept with probability p_i(d), resample from p_i
+with d taken out; that test is exact for a draft drawn in any way, only less often accepted than
+q's own.
 
 Each row's p is what `Sampler` samples from at that position: the request's edits, penalties,
 min_tokens and bad words see the drafts before the row as output (`_DraftView`), then
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.messages import DraftTokens, ModelRunnerOutput
+from engine.core.messages import ModelRunnerOutput
 from engine.core.sequence import Sequence
 from engine.worker.forward_context import to_device
 from engine.worker.sampler import (Sampler, apply_token_bitmask, is_plain_greedy, pack_logprob_records,
@@ -43,10 +44,12 @@ class RejectionSampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-                 allowed_token_bitmask: torch.Tensor | None = None) -> VerifiedTokens:
+                 allowed_token_bitmask: torch.Tensor | None = None,
+                 draft_probs: dict[int, torch.Tensor] | None = None) -> VerifiedTokens:
         """logits: [num_rows, vocab], num_rows = sum(len(d) + 1 for d in drafts), each sequence's rows
         together in `seqs` order. allowed_token_bitmask: [num_rows, words], a grammar's mask for
-        each row (StructuredOutputManager.fill_bitmask_rows)."""
+        each row (StructuredOutputManager.fill_bitmask_rows). draft_probs: seq_id -> q [len(draft),
+        vocab] of the drafts sampled from q (SchedulerOutput.spec_draft_probs); the rest are one-hot."""
         counts = [len(d) + 1 for d in drafts]
         if logits.dim() != 2 or logits.shape[0] != sum(counts):
             raise ValueError(f"logits must be [num_rows={sum(counts)}, vocab], got {tuple(logits.shape)}")
@@ -61,7 +64,8 @@ class RejectionSampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # vLLM's raw_logprobs
         if not plain:
             self.sampler.process_logits(logits, _row_views(seqs, drafts))
-        num_accepted, final = self._verify(logits, seqs, rows, drafts)
+        q = _DraftProbs.of(seqs, drafts, draft_probs, logits.shape[1], logits.device) if draft_probs else None
+        num_accepted, final = self._verify(logits, seqs, rows, q)
         out = VerifiedTokens(final, num_accepted, counts)
         if raw_logprobs is not None:
             # The token each row emits: its draft while accepted, then the sequence's final token.
@@ -70,7 +74,7 @@ class RejectionSampler:
         return out
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence], rows: _Rows,
-                drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                q: _DraftProbs | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Processed logits [num_rows, vocab] -> (accepted drafts [num_seqs], final token [num_seqs])."""
         params = [s.sampling_params for s in seqs]
         greedy = [p.is_greedy for p in params]
@@ -85,7 +89,6 @@ class RejectionSampler:
         probs /= probs.sum(dim=-1, keepdim=True)  # p: normalised, to compare with q
         uniform, noise = self._random(seqs, greedy, rows, probs.shape[1], probs.device)
         p_draft = probs.gather(1, rows.draft.unsqueeze(1)).squeeze(1)  # [num_rows]
-        q = _DraftProbs.of(drafts, probs.shape[1], probs.device)
         accept_prob = p_draft if q is None else torch.where(q.has_q, p_draft / q.at_draft(rows), p_draft)
         is_greedy = to_device(greedy, torch.bool, logits.device)
         accept = torch.where(is_greedy[rows.seq], accept, uniform < accept_prob)
@@ -154,7 +157,7 @@ class _Rows:
 
 
 class _DraftProbs:
-    """The q rows of the drafts that carry one (`DraftTokens`), laid out for the batch's rows: a table
+    """The q rows of the drafts that have one (`draft_probs`), laid out for the batch's rows: a table
     [num_q_rows + 1, vocab] whose last row is 0, and each row's index into it (the zero row for
     one-hot drafts and bonus rows)."""
 
@@ -164,20 +167,23 @@ class _DraftProbs:
         self.has_q = index < table.shape[0] - 1         # [num_rows]
 
     @classmethod
-    def of(cls, drafts: list[list[int]], vocab: int, device: torch.device) -> _DraftProbs | None:
-        """None when no draft carries q (n-gram, argmax drafts): the one-hot test alone."""
-        parts = [d.draft_probs for d in drafts if isinstance(d, DraftTokens)]
+    def of(cls, seqs: list[Sequence], drafts: list[list[int]], draft_probs: dict[int, torch.Tensor],
+           vocab: int, device: torch.device) -> _DraftProbs | None:
+        """None when no draft in the batch has q (n-gram, argmax drafts): the one-hot test alone."""
+        per_seq = [draft_probs.get(seq.seq_id) for seq in seqs]  # q [len(draft), vocab] or None
+        for d, p in zip(drafts, per_seq):
+            if p is not None and tuple(p.shape) != (len(d), vocab):
+                raise ValueError(f"draft_probs must be [num_draft_tokens={len(d)}, vocab={vocab}], "
+                                 f"got {tuple(p.shape)}")
+        parts = [p for p in per_seq if p is not None]
         if not parts:
             return None
-        for d in drafts:
-            if isinstance(d, DraftTokens) and tuple(d.draft_probs.shape) != (len(d), vocab):
-                raise ValueError(f"draft_probs must be [num_draft_tokens={len(d)}, vocab={vocab}], "
-                                 f"got {tuple(d.draft_probs.shape)}")
         zero = sum(p.shape[0] for p in parts)
         index: list[int] = []
         first = 0
-        for d in drafts:  # per sequence: its drafts' q rows (or the zero row), then its bonus row's
-            if isinstance(d, DraftTokens):
+        # Per sequence: its drafts' q rows (or the zero row), then its bonus row's (the zero row).
+        for d, p in zip(drafts, per_seq):
+            if p is not None:
                 index.extend(range(first, first + len(d)))
                 first += len(d)
             else:
