@@ -12,8 +12,9 @@ from engine.worker.sampler import Sampler
 VOCAB = 6
 
 
-def verify(seqs, drafts, logits, seed=0):
-    return RejectionSampler(Sampler(seed=seed, device="cpu"))(logits, seqs, drafts).to_runner_output()
+def verify(seqs, drafts, logits, seed=0, draft_probs=None):
+    sampler = RejectionSampler(Sampler(seed=seed, device="cpu"))
+    return sampler(logits, seqs, drafts, draft_probs=draft_probs).to_runner_output()
 
 
 def one_hot_rows(argmaxes):
@@ -104,3 +105,77 @@ def test_a_seeded_sequence_draws_the_same_alone_or_in_a_batch():
     mixed = verify([others[0], seeded_again, others[1]], [[3], [1, 2], []], batch, seed=9)
     assert (mixed.num_accepted_tokens[1], mixed.sampled_token_ids[1]) == \
         (alone.num_accepted_tokens[0], alone.sampled_token_ids[0])
+
+
+# Target rows and a draft distribution q for two drafts: q shares about 40% of its mass with p
+# (sum(min(p, q))), so both the acceptance test and the residual shape the output.
+TARGET_ROWS = torch.tensor([[0.5, -1.0, 0.2, 1.0, 0.0, -0.5],
+                            [0.1, 0.3, -0.2, 0.0, 0.8, -1.0],
+                            [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]]) * 1.5
+Q = torch.softmax(torch.tensor([[1.0, 0.5, -0.5, 0.3, -1.0, 1.2],
+                                [-0.5, 1.0, 0.8, 0.6, -1.0, 0.2]]) * 1.5, dim=-1)
+
+
+def sampled_drafts(seqs, q=Q, seed=7):
+    """A draft of len(q) tokens per sequence, token i drawn from q[i] (as the draft model draws
+    them), and q for each (SchedulerOutput.spec_draft_probs)."""
+    tokens = torch.multinomial(q, len(seqs), replacement=True, generator=torch.Generator().manual_seed(seed)).T
+    return [row.tolist() for row in tokens], {seq.seq_id: q for seq in seqs}
+
+
+def emitted(out, drafts, position):
+    """The token each sequence emitted at `position` (0 or 1), over those that got that far."""
+    return [d[position] if a > position else t
+            for a, t, d in zip(out.num_accepted_tokens, out.sampled_token_ids, drafts) if a >= position]
+
+
+def test_drafts_sampled_from_q_keep_the_target_distribution():
+    """Drafts drawn from q and verified with q (accept min(1, p(d) / q(d)), then norm(max(0, p - q))):
+    the first emitted token is distributed as p_0, the second (after an accepted first) as p_1.
+    Accepting with p(d) instead of p(d) / q(d), or resampling from p (d taken out) instead of
+    max(0, p - q), fails this test (tried: statistics of 360 to 680 against a limit of 26)."""
+    n = 4000
+    p = torch.softmax(TARGET_ROWS / 0.8, dim=-1)
+    seqs = [Sequence("r", [0], SamplingParams(temperature=0.8)) for _ in range(n)]
+    drafts, draft_probs = sampled_drafts(seqs)
+    out = verify(seqs, drafts, TARGET_ROWS.repeat(n, 1), seed=123, draft_probs=draft_probs)
+    limit = chi2_threshold(VOCAB - 1)
+    for position in (0, 1):
+        tokens = emitted(out, drafts, position)
+        counts = [tokens.count(v) for v in range(VOCAB)]
+        assert chi2(counts, p[position].tolist()) < limit, (position, counts)
+    # The first draft is accepted with probability sum(min(p_0, q_0)) = 0.41 (6 standard deviations
+    # allowed): accepted and rejected drafts both common, so both paths shape the counts above.
+    first_accepted = sum(a >= 1 for a in out.num_accepted_tokens) / n
+    assert first_accepted == pytest.approx(torch.minimum(p[0], Q[0]).sum().item(), abs=0.05)
+
+
+def test_drafts_sampled_from_the_targets_own_distribution_are_all_accepted():
+    """q = p: p(d) / q(d) = 1, every draft accepted (the one-hot test, with p(d), accepts under a fifth: tried)."""
+    n = 500
+    p = torch.softmax(TARGET_ROWS, dim=-1)
+    seqs = [Sequence("r", [0], SamplingParams(temperature=1.0)) for _ in range(n)]
+    drafts, draft_probs = sampled_drafts(seqs, q=p[:2])
+    out = verify(seqs, drafts, TARGET_ROWS.repeat(n, 1), draft_probs=draft_probs)
+    assert sum(out.num_accepted_tokens) >= 0.99 * 2 * n
+
+
+def test_drafts_with_q_beside_one_hot_drafts():
+    """Only the sequences in draft_probs are verified with q. Here q = p at their draft, so it is
+    always accepted (p(d) / q(d) = 1), where a draft without q would be accepted as one-hot, with
+    p(d) = 0.3. An n-gram draft and a greedy row in the same batch keep their own tests."""
+    n = 200
+    p = torch.tensor([0.1, 0.2, 0.1, 0.3, 0.2, 0.1])
+    seqs = [Sequence("s", [0], SamplingParams(temperature=1.0)) for _ in range(n)]
+    seqs += [Sequence("n", [0], SamplingParams(temperature=1.0)), greedy_seq()]
+    rows = torch.cat([torch.stack([p.log(), torch.zeros(VOCAB)]).repeat(n, 1), one_hot_rows([2, 1, 4])])
+    draft_probs = {seq.seq_id: p.unsqueeze(0) for seq in seqs[:n]}
+    out = verify(seqs, [[3]] * n + [[2], []], rows, draft_probs=draft_probs)
+    assert out.num_accepted_tokens == [1] * n + [1, 0]
+    assert out.sampled_token_ids[-1] == 4
+
+
+def test_draft_probs_of_the_wrong_shape_are_refused():
+    seq = Sequence("r", [0], SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match=r"draft_probs must be \[num_draft_tokens=2, vocab=6\], got \(1, 6\)"):
+        verify([seq], [[1, 2]], torch.zeros(3, VOCAB), draft_probs={seq.seq_id: torch.full((1, VOCAB), 1 / VOCAB)})

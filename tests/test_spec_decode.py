@@ -1,6 +1,7 @@
 """Speculative decoding through the engine (n-gram drafts): the same greedy tokens as HF and as
 decoding one token at a time, in every scheduling regime, with every sampling feature; sampled
-tokens keep their distribution; KV blocks all come back.
+tokens keep their distribution; KV blocks all come back. And SpecDecoder hands each step the q
+of exactly the drafts it schedules.
 
 Each test checks the counters: one whose drafts were all rejected would prove nothing. A tiny
 random model copies nothing, and its greedy text wanders, so against HF (the prompts followed by
@@ -16,6 +17,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.core.block_manager import BlockManager
+from engine.core.messages import ModelRunnerOutput, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.spec_decode.spec_decoder import SpecDecoder
 from tests.hf_reference import assert_matches, hf_greedy, load_hf
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -234,3 +240,52 @@ def test_json_outputs_parse_and_validate_with_speculation(engines):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0]
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert _accepted(spec) > before
+
+
+class _ProposerWithQ:
+    """Drafts and q chosen by the test, handed out as the draft model's sampled drafts are."""
+
+    def __init__(self, drafts: dict[int, list[int]], probs: dict[int, torch.Tensor]):
+        self.drafts, self.probs = drafts, probs
+
+    def propose(self, seqs):
+        return [self.drafts[seq.seq_id] for seq in seqs]
+
+    def take_draft_probs(self):
+        probs, self.probs = self.probs, {}
+        return probs
+
+    def retain(self, seq_ids):
+        pass
+
+
+class _CutAfterOne:
+    """A grammar matcher that refuses every draft token after the first."""
+
+    def draft_prefix(self, draft):
+        return 1
+
+
+def test_the_step_gets_q_rows_of_exactly_its_scheduled_drafts():
+    """SpecDecoder attaches q to the scheduled step (SchedulerOutput.spec_draft_probs) after the
+    scheduler's cut: "a" may verify 2 of its 4 drafts (max_tokens), so it gets q's first 2 rows; "b",
+    whose grammar cut its draft, and "c", whose draft has no q (n-gram, argmax), get none. q belongs
+    to one proposal: a step scheduled without a new proposal gets none."""
+    sched = Scheduler(8, 64, 64, BlockManager(16, 4), eos_token_ids=[0])
+    seqs = [Sequence(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=m))
+            for rid, m in [("a", 4), ("b", 8), ("c", 8)]]
+    seqs[1].grammar = _CutAfterOne()
+    for seq in seqs:
+        sched.add_seq(seq)
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput(sampled_token_ids=[5, 5, 5]))
+    a, b, c = (seq.seq_id for seq in seqs)
+    q = {a: torch.rand(4, 8), b: torch.rand(3, 8)}
+    spec = SpecDecoder(_ProposerWithQ({a: [6, 7, 8, 9], b: [6, 7, 8], c: [6, 7]}, dict(q)), 4)
+    spec.propose(sched.running)
+    out = sched.schedule()
+    spec.attach_draft_probs(out)
+    assert out.spec_token_ids == {a: [6, 7], b: [6], c: [6, 7]}
+    assert out.spec_draft_probs.keys() == {a} and torch.equal(out.spec_draft_probs[a], q[a][:2])
+    stale = SchedulerOutput(seqs=[], num_scheduled_tokens=[], spec_token_ids={a: [6, 7]})
+    spec.attach_draft_probs(stale)
+    assert stale.spec_draft_probs == {}

@@ -146,6 +146,7 @@ class LLMEngine:
         bitmask, penalties, min_tokens) samples after that processing instead.
         """
         sched_out = self.scheduler.schedule()
+        self.spec_decoder.attach_draft_probs(sched_out)  # q of the drafts it kept, for the rejection sampler
         if sched_out.is_empty:
             return self._process_inflight()
         self._record_scheduled(sched_out)

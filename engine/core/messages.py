@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.sequence import Sequence
 from engine.lora.request import LoRARequest
@@ -41,6 +42,13 @@ class SchedulerOutput:
     # sequence computes 1 + len(drafts) rows, all of which sample (the rejection sampler keeps
     # the agreeing prefix and one more token). Empty when no sequence has drafts.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # ... and q of the drafts the draft model sampled from its distribution: seq_id -> torch.Tensor
+    # [len(spec_token_ids[seq_id]), vocab] float32 on the device, row i the normalised q draft i
+    # was drawn from (the acceptance test needs q(d), a rejection all of q). Attached after
+    # schedule() by SpecDecoder.attach_draft_probs, cut with the drafts; a draft without an entry
+    # (n-gram, argmax, grammar-cut) is verified as one-hot. Read by rank 0's rejection sampler
+    # only: TP workers get the ModelInput. Typed loosely to keep this module torch-free.
+    spec_draft_probs: dict[int, Any] = field(default_factory=dict)
     # The host KV tier's copies, run before the forward, outs first (engine/core/kv_offload.py):
     # (device block, host block) of evicted prefix blocks, (host block, device block) of host hits.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

@@ -1,7 +1,8 @@
 """Speculative decoding (docs/spec_decode.md): proposers of draft tokens, and the engine's side.
 
     ngram_proposer.py    prompt lookup over the request's own tokens (numpy)
-    draft_model_proposer.py  a small checkpoint's k greedy steps, its own KV pool (torch)
+    draft_model_proposer.py  a small checkpoint's k steps (argmax, or sampled with q), its own KV pool (torch)
+    draft_sampler.py     the draft's token at each step, and q for sampled requests (torch)
     acceptance_guard.py  per-sequence pause when drafts keep being rejected
     spec_decoder.py      drafts before each step, counters and the guard after it
 

@@ -57,6 +57,11 @@ class NgramProposer:
         """A draft (maybe empty) for each sequence."""
         return [find_draft(self._tokens(seq), self.min_n, self.max_n, self.k).tolist() for seq in seqs]
 
+    @staticmethod
+    def take_draft_probs() -> dict:
+        """Always empty: a lookup is deterministic given the tokens, so its drafts are verified one-hot."""
+        return {}
+
     def retain(self, seq_ids: set[int]) -> None:
         """Forget the buffers of sequences not in `seq_ids` (finished, aborted, preempted)."""
         for seq_id in [s for s in self._buffers if s not in seq_ids]:

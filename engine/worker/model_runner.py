@@ -255,7 +255,8 @@ class ModelRunner:
             allowed_token_bitmask = allowed_token_bitmask.to(self.device, non_blocking=True)
         if so.spec_token_ids:
             drafts = [so.spec_token_ids.get(seq.seq_id, []) for seq in seqs]
-            handle.sampled = self.rejection_sampler(logits, seqs, drafts, allowed_token_bitmask)
+            handle.sampled = self.rejection_sampler(logits, seqs, drafts, allowed_token_bitmask,
+                                                    so.spec_draft_probs)
         else:
             handle.sampled = self.sampler.sample(logits, seqs, allowed_token_bitmask)
         handle.sampled.start_copy()

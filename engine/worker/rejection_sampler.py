@@ -13,9 +13,12 @@ first row that disagreed (or of the bonus row): the tokens greedy decoding would
 Sampled rows use standard speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept
 d_{i+1} with probability min(1, p_i(d) / q_i(d)), and at the first rejection emit a sample of
 norm(max(0, p_i - q_i)); when all are accepted, a sample of p_k. The emitted tokens are then
-distributed exactly as tokens drawn one at a time from p. The proposers here (n-gram, greedy
-draft model) are deterministic given the context, so q is one-hot at the draft: accept with
-probability p_i(d), resample from p_i with d taken out.
+distributed exactly as tokens drawn one at a time from p. A draft model's sampled drafts come
+with q (`draft_probs`, from SchedulerOutput.spec_draft_probs: q_i of every draft, as the draft
+model drew it). Other drafts (n-gram, argmax drafts of the draft model) are deterministic given
+the context, so q is one-hot at the draft: accept with probability p_i(d), resample from p_i
+with d taken out; that test is exact for a draft drawn in any way, only less often accepted than
+q's own.
 
 Each row's p is what `Sampler` samples from at that position: the request's edits, penalties,
 min_tokens and bad words see the drafts before the row as output (`_DraftView`), then
@@ -41,10 +44,12 @@ class RejectionSampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-                 allowed_token_bitmask: torch.Tensor | None = None) -> VerifiedTokens:
+                 allowed_token_bitmask: torch.Tensor | None = None,
+                 draft_probs: dict[int, torch.Tensor] | None = None) -> VerifiedTokens:
         """logits: [num_rows, vocab], num_rows = sum(len(d) + 1 for d in drafts), each sequence's rows
         together in `seqs` order. allowed_token_bitmask: [num_rows, words], a grammar's mask for
-        each row (StructuredOutputManager.fill_bitmask_rows)."""
+        each row (StructuredOutputManager.fill_bitmask_rows). draft_probs: seq_id -> q [len(draft),
+        vocab] of the drafts sampled from q (SchedulerOutput.spec_draft_probs); the rest are one-hot."""
         counts = [len(d) + 1 for d in drafts]
         if logits.dim() != 2 or logits.shape[0] != sum(counts):
             raise ValueError(f"logits must be [num_rows={sum(counts)}, vocab], got {tuple(logits.shape)}")
@@ -59,7 +64,8 @@ class RejectionSampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # vLLM's raw_logprobs
         if not plain:
             self.sampler.process_logits(logits, _row_views(seqs, drafts))
-        num_accepted, final = self._verify(logits, seqs, rows)
+        q = _DraftProbs.of(seqs, drafts, draft_probs, logits.shape[1], logits.device) if draft_probs else None
+        num_accepted, final = self._verify(logits, seqs, rows, q)
         out = VerifiedTokens(final, num_accepted, counts)
         if raw_logprobs is not None:
             # The token each row emits: its draft while accepted, then the sequence's final token.
@@ -67,7 +73,8 @@ class RejectionSampler:
             out.packed_logprobs, out.ks = pack_logprob_records(row_tokens, raw_logprobs, ks), ks
         return out
 
-    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], rows: _Rows,
+                q: _DraftProbs | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Processed logits [num_rows, vocab] -> (accepted drafts [num_seqs], final token [num_seqs])."""
         params = [s.sampling_params for s in seqs]
         greedy = [p.is_greedy for p in params]
@@ -79,18 +86,23 @@ class RejectionSampler:
         row_params = [p for p, n in zip(params, rows.counts_list) for _ in range(n)]
         row_greedy = [g for g, n in zip(greedy, rows.counts_list) for _ in range(n)]
         probs = Sampler.sampling_probs(logits, row_params, row_greedy)  # [num_rows, vocab], unnormalised
+        probs /= probs.sum(dim=-1, keepdim=True)  # p: normalised, to compare with q
         uniform, noise = self._random(seqs, greedy, rows, probs.shape[1], probs.device)
-        p_draft = probs.gather(1, rows.draft.unsqueeze(1)).squeeze(1) / probs.sum(dim=-1)  # [num_rows]
+        p_draft = probs.gather(1, rows.draft.unsqueeze(1)).squeeze(1)  # [num_rows]
+        accept_prob = p_draft if q is None else torch.where(q.has_q, p_draft / q.at_draft(rows), p_draft)
         is_greedy = to_device(greedy, torch.bool, logits.device)
-        accept = torch.where(is_greedy[rows.seq], accept, uniform < p_draft)
+        accept = torch.where(is_greedy[rows.seq], accept, uniform < accept_prob)
         num_accepted = rows.leading_run(accept)
         final_row = rows.first + num_accepted  # [num_seqs]
-        # The first rejected row's distribution without its draft (q one-hot), or the bonus row's.
+        # The first rejected row's residual norm(max(0, p - q)), or the bonus row's p. One-hot q:
+        # p with the draft taken out. (A rejected draft of a real q has p(d) < q(d): no mass left at d.)
         resample = probs[final_row]  # [num_seqs, vocab], a copy
         rejected = (num_accepted < rows.num_drafts).unsqueeze(1)
         draft = rows.draft[final_row].unsqueeze(1)
         resample.scatter_(1, draft, torch.where(rejected, 0.0, resample.gather(1, draft)))
-        # Rounding can leave nothing but the draft (p(d) ~ 1, yet rejected): keep p then.
+        if q is not None:  # q's rows at the final rows: 0 for one-hot drafts and bonus rows
+            resample = resample.sub_(q.at_rows(final_row)).clamp_min_(0.0)
+        # Rounding can leave nothing (p(d) ~ 1 yet rejected, or p ~ q): keep p then.
         resample = torch.where(resample.sum(dim=-1, keepdim=True) > 0, resample, probs[final_row])
         sampled = resample.div_(noise).argmax(dim=-1)  # exponential race (Sampler's docstring)
         final = torch.where(is_greedy, target_argmax[final_row], sampled)
@@ -142,6 +154,51 @@ class _Rows:
         grid = torch.zeros(len(self.counts_list), self.max_count, dtype=torch.long, device=accept.device)
         grid[self.seq, self.pos] = (accept & self.has_draft).long()
         return grid.cumprod(dim=1).sum(dim=1)
+
+
+class _DraftProbs:
+    """The q rows of the drafts that have one (`draft_probs`), laid out for the batch's rows: a table
+    [num_q_rows + 1, vocab] whose last row is 0, and each row's index into it (the zero row for
+    one-hot drafts and bonus rows)."""
+
+    def __init__(self, table: torch.Tensor, index: torch.Tensor):
+        self.table = table                              # [num_q_rows + 1, vocab]
+        self.index = index                              # [num_rows]
+        self.has_q = index < table.shape[0] - 1         # [num_rows]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], drafts: list[list[int]], draft_probs: dict[int, torch.Tensor],
+           vocab: int, device: torch.device) -> _DraftProbs | None:
+        """None when no draft in the batch has q (n-gram, argmax drafts): the one-hot test alone."""
+        per_seq = [draft_probs.get(seq.seq_id) for seq in seqs]  # q [len(draft), vocab] or None
+        for d, p in zip(drafts, per_seq):
+            if p is not None and tuple(p.shape) != (len(d), vocab):
+                raise ValueError(f"draft_probs must be [num_draft_tokens={len(d)}, vocab={vocab}], "
+                                 f"got {tuple(p.shape)}")
+        parts = [p for p in per_seq if p is not None]
+        if not parts:
+            return None
+        zero = sum(p.shape[0] for p in parts)
+        index: list[int] = []
+        first = 0
+        # Per sequence: its drafts' q rows (or the zero row), then its bonus row's (the zero row).
+        for d, p in zip(drafts, per_seq):
+            if p is not None:
+                index.extend(range(first, first + len(d)))
+                first += len(d)
+            else:
+                index.extend([zero] * len(d))
+            index.append(zero)
+        table = torch.cat([p.to(device, torch.float32) for p in parts] + [torch.zeros(1, vocab, device=device)])
+        return cls(table, to_device(index, torch.long, device))
+
+    def at_draft(self, rows: _Rows) -> torch.Tensor:
+        """[num_rows]: q(d) of each row's draft (0 where the row has no q)."""
+        return self.table[self.index, rows.draft]
+
+    def at_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """[n] row numbers -> [n, vocab]: q of those rows (0 where a row has no q)."""
+        return self.table[self.index[row]]
 
 
 class _DraftView:
