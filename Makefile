@@ -23,7 +23,8 @@ TINY_MODEL := models/tiny-llama
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	# The venv's own pip (ensurepip's, 22+ on Python 3.10+) installs this editable package; an
+	# upgrade first only asked the index for a newer pip on every fresh install.
 	# torch first and pinned: an unpinned torch pulls the CUDA build.
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/pip install -q -e '.[serve,test]'
