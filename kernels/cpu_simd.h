@@ -96,8 +96,10 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 typedef uint32_t u32vec __attribute__((vector_size(CHUNK * 4), aligned(4)));
 typedef uint16_t u16vec __attribute__((vector_size(CHUNK * 2), aligned(2)));
 
+INLINE int64_t dt_size(int64_t dt) { return dt == DT_F32 ? 4 : 2; } /* bytes per element */
+
 INLINE const void *elem_at(const void *p, int64_t i, int dt) { /* &p[i] for elements of type dt */
-    return (const char *)p + i * (dt == DT_F32 ? 4 : 2);
+    return (const char *)p + i * dt_size(dt);
 }
 
 /* IEEE half bits (in the low 16 of each lane) -> float, with integer ops only (no F16C): the
@@ -160,6 +162,39 @@ INLINE uint16_t f32_to_f16(float f) {
 INLINE void store1_from_f32(void *p, int64_t i, float x, int dt) { /* p[i] = x, rounded to dt */
     if (dt == DT_F32) ((float *)p)[i] = x;
     else ((uint16_t *)p)[i] = dt == DT_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+}
+
+INLINE float round1_to(float x, int dt) { /* x rounded to type dt, as a float */
+    if (dt == DT_F32) return x;
+    const uint16_t h = dt == DT_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+    return load1_as_f32(&h, 0, dt);
+}
+
+/* Each lane rounded to nearest even bf16, as float bits (low 16 zero); a NaN stays a NaN. */
+INLINE u32vec bf16_round_bits(vec v) {
+    const u32vec x = (u32vec)v;
+    const u32vec nan = (u32vec)((x & 0x7fffffff) > 0x7f800000);
+    return (((x + 0x7fff + (x >> 16 & 1)) & ~nan) | ((x | 0x400000) & nan)) & 0xffff0000u;
+}
+
+/* p[i .. i + CHUNK) = v rounded to type dt. */
+INLINE void store_as(void *p, int64_t i, vec v, int dt) {
+    if (dt == DT_F32) {
+        STORE((float *)p + i, v);
+    } else if (dt == DT_BF16) {
+        *(u16vec *)((uint16_t *)p + i) = __builtin_convertvector(bf16_round_bits(v) >> 16, u16vec);
+    } else {
+        for (int l = 0; l < CHUNK; l++) ((uint16_t *)p)[i + l] = f32_to_f16(v[l]);
+    }
+}
+
+/* v rounded to type dt, still as floats: what a torch op in that type would have stored. */
+INLINE vec round_to(vec v, int dt) {
+    if (dt == DT_F32) return v;
+    if (dt == DT_BF16) return (vec)bf16_round_bits(v);
+    u32vec h = {0};
+    for (int l = 0; l < CHUNK; l++) h[l] = f32_to_f16(v[l]);
+    return f16_widen(h);
 }
 
 /* dst[d] = src[i0 + d] * scale for d < n, src of type dt: one loop per type, no branch per
