@@ -175,7 +175,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
 
 
 def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """kernels.store_kv's contract: a C row copy for fp32 CPU tensors, else store_kv_torch.
+    """kernels.store_kv's contract: a C row copy for fp32, bf16 or fp16 CPU tensors, else store_kv_torch.
 
     key, value:       [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
