@@ -3,8 +3,8 @@
 Same contract as kernels.paged_attention, plus optional `key`/`value` (this
 step's new K/V rows). Dispatch:
 
-- fp32 CPU tensors and the kernel built (kernels/cpu_paged_attention.c, see
-  kernels.cpu_build): decode rows and chunks of up to KERNEL_MAX_Q_LEN rows run
+- fp32, bf16 or fp16 CPU tensors and the kernel built (kernels/cpu_paged_attention.c,
+  see kernels.cpu_build; half types are widened to fp32 in registers): decode rows and chunks of up to KERNEL_MAX_Q_LEN rows run
   in the C kernel, which reads K/V straight from the cache blocks (no gather
   copy, no padding, online softmax). A chunk with no cached prefix (q_len ==
   seq_len) runs as one SDPA on `key`/`value` when they are given (it needs no
@@ -34,12 +34,15 @@ _LIB_NAME = "cpu_paged_attention"
 # the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench` times both either side
 # of this limit (docs/benchmarks.md, "CPU kernels", which also says where the limit stands).
 KERNEL_MAX_Q_LEN = 32
-# Return codes of rayllm_paged_attention_f32 (cpu_paged_attention.c).
+# The kernel's element types: torch dtype -> DT_* code of kernels/cpu_simd.h.
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Return codes of rayllm_paged_attention (cpu_paged_attention.c).
 _ERRORS = {
     1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
        "(max_blocks * block_size)",
     2: "block_tables holds a block id outside the cache",
     4: "cu_seqlens_q must start at 0, never decrease and end at num_tokens",
+    5: "the tensors' dtype is not one the kernel takes",
 }
 _ERR_NO_MEMORY = 3
 
@@ -54,7 +57,8 @@ class _Args(ctypes.Structure):
                  "num_tokens", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "max_blocks")] + \
                [("scale", ctypes.c_float), ("max_q_len", ctypes.c_int64), ("skip_fresh", ctypes.c_int64),
-                ("sliding_window", ctypes.c_int64), ("soft_cap", ctypes.c_float), ("sinks", ctypes.c_void_p)]
+                ("sliding_window", ctypes.c_int64), ("soft_cap", ctypes.c_float), ("sinks", ctypes.c_void_p),
+                ("dtype", ctypes.c_int64)]
 
 
 def _kernel():
@@ -62,7 +66,7 @@ def _kernel():
     lib = load_kernel_library(_LIB_NAME)
     if lib is None:
         return None
-    fn = lib.rayllm_paged_attention_f32
+    fn = lib.rayllm_paged_attention
     fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
     return fn
 
@@ -84,10 +88,14 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
     """Call the C kernel for the sequences with at most max_q_len query rows (and, with
     skip_fresh, a cached prefix or a single row).
 
-    Every tensor fp32/int32 on CPU with a unit last stride. query, out: [num_tokens,
-    num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    Every tensor on CPU with a unit last stride; query, caches and out one of KERNEL_DTYPES,
+    the index tensors int32. query, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
     contiguous; block_tables [num_seqs, max_blocks]; rows of longer chunks are not written.
     """
+    dtypes = {t.dtype for t in (query, k_cache, v_cache, out)}
+    if len(dtypes) != 1 or query.dtype not in KERNEL_DTYPES:  # else the kernel misreads memory
+        raise ValueError(f"cpu paged attention: query, caches and out must share one of "
+                         f"{list(KERNEL_DTYPES)}, got {sorted(map(str, dtypes))}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     sinks = None if opts.sinks is None else opts.sinks.to(torch.float32).contiguous()  # [num_heads]
     args = _Args(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
@@ -96,7 +104,7 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
                  query.shape[0], block_tables.shape[0], query.shape[1], num_kv_heads, head_dim,
                  block_size, num_blocks, block_tables.shape[1], scale, max_q_len, int(skip_fresh),
                  opts.sliding_window or 0, opts.logits_soft_cap or 0.0,
-                 None if sinks is None else sinks.data_ptr())
+                 None if sinks is None else sinks.data_ptr(), KERNEL_DTYPES[query.dtype])
     err = fn(ctypes.byref(args))
     if err == _ERR_NO_MEMORY:
         raise MemoryError("cpu paged attention: scratch allocation failed")
@@ -140,7 +148,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     sliding_window, logits_soft_cap, sinks: as kernels.reference.paged_attention_ref.
     """
     mods = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    fn = _kernel() if query.device.type == "cpu" and query.dtype == torch.float32 else None
+    fn = _kernel() if query.device.type == "cpu" and query.dtype in KERNEL_DTYPES else None
     if fn is None:
         return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                      max_seqlen_q, softmax_scale, out, seq_lens_cpu=seq_lens_cpu,
@@ -167,7 +175,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
 
 
 def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """kernels.store_kv's contract: a C row copy for fp32 CPU tensors, else store_kv_torch.
+    """kernels.store_kv's contract: a C row copy for fp32, bf16 or fp16 CPU tensors, else store_kv_torch.
 
     key, value:       [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]

@@ -1,4 +1,4 @@
-/* Fused paged attention for fp32 on CPU: reads K/V straight from the paged cache.
+/* Fused paged attention on CPU for fp32, bf16 and fp16: reads K/V straight from the paged cache.
  *
  * Built at first use by kernels/cpu_build.py (cc -O3 -march=native -fopenmp) and
  * called through ctypes from kernels/cpu_attention.py. No gather copy, no padding.
@@ -22,6 +22,11 @@
  * turns scores into cap * tanh(score / cap). A sink is one more logit per head in
  * the softmax, with no value: the online softmax starts from it (max = sink,
  * sum = 1, acc = 0), as if it were a key before all others.
+ *
+ * Element types: query, caches and out share one (Args.dtype). bf16 and fp16 are widened to
+ * fp32 as they are loaded (the query once per item, K and V in registers per CHUNK), all
+ * arithmetic and the online-softmax state are fp32, and each output row is rounded back once.
+ * The loops are specialised per type (SPECIALISE below), as they are per head_dim.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,15 +43,16 @@
 #define ERR_BLOCK_ID 2   /* a block id the context needs is outside the cache */
 #define ERR_NO_MEMORY 3
 #define ERR_QUERY_ROWS 4 /* cu_seqlens_q does not cover rows 0 .. num_tokens in order */
+#define ERR_DTYPE 5      /* Args.dtype is not a DT_* code */
 
 typedef struct {
-    const float *query;          /* [num_tokens, num_heads, head_dim], rows q_stride_tok apart */
-    const float *k_cache;        /* [num_blocks, block_size, num_kv_heads, head_dim], contiguous */
-    const float *v_cache;        /* same shape as k_cache */
+    const void *query;           /* [num_tokens, num_heads, head_dim], rows q_stride_tok apart */
+    const void *k_cache;         /* [num_blocks, block_size, num_kv_heads, head_dim], contiguous */
+    const void *v_cache;         /* same shape as k_cache */
     const int32_t *block_tables; /* [num_seqs, max_blocks], rows bt_stride apart */
     const int32_t *seq_lens;     /* [num_seqs] context length incl. the new rows */
     const int32_t *cu_seqlens_q; /* [num_seqs + 1] query row offsets */
-    float *out;                  /* [num_tokens, num_heads, head_dim], rows o_stride_tok apart */
+    void *out;                   /* [num_tokens, num_heads, head_dim], rows o_stride_tok apart */
     int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, bt_stride;
     int64_t num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
     float scale;
@@ -55,6 +61,7 @@ typedef struct {
     int64_t sliding_window; /* 0: none, else row p sees keys p - sliding_window + 1 .. p */
     float soft_cap;         /* 0: none, else scores -> soft_cap * tanh(score / soft_cap) */
     const float *sinks;     /* NULL: none, else [num_heads] logits that join the denominator */
+    int64_t dtype;          /* DT_* (cpu_simd.h) of query, caches and out; strides count elements */
 } Args;
 
 /* One work item's query vectors and their online-softmax state (scratch of one thread). */
@@ -70,7 +77,7 @@ typedef struct {
     int64_t *lo;          /* [M] keys from lo on are inside its window (0 without one) */
 } Item;
 
-/* Offset (floats) of key t's row for kv head 0: row t % bs of block table[t / bs]. */
+/* Offset (elements) of key t's row for kv head 0: row t % bs of block table[t / bs]. */
 INLINE int64_t key_offset(const Item *it, int64_t t) {
     const int64_t bs = it->a->block_size;
     return (it->table[t / bs] * bs + t % bs) * it->a->num_kv_heads * it->a->head_dim;
@@ -92,23 +99,25 @@ INLINE int chunk_hidden(const Item *it, int64_t m, int64_t k) {
 }
 
 /* s[m, j] = q_m . k_{k0 + j} for the kn keys of the tile; -inf where m may not look. */
-INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D) {
+INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
     const int64_t stride = it->a->num_kv_heads * D;
     const int fast = it->a->block_size % CHUNK == 0 && D % CHUNK == 0;
     const float cap = it->a->soft_cap;
     for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
-        const float *kb = it->a->k_cache + key_offset(it, k0 + j);
+        const int64_t kb = key_offset(it, k0 + j);
         for (int64_t m = 0; m < it->M; m++) {
-            const float *k = kb + m / it->Mh * D, *q = it->q + m * D;
+            const void *k = elem_at(it->a->k_cache, kb + m / it->Mh * D, dt);
+            const float *q = it->q + m * D;
             float *s = it->s + m * TILE + j;
             if (chunk_hidden(it, m, k0 + j)) {
                 STORE(s, splat(-INFINITY));
                 continue;
             } else if (fast) {
-                STORE(s, dot_chunk(q, k, stride, D));
+                STORE(s, dot_chunk(q, k, stride, D, dt));
             } else {
                 for (int64_t c = 0; c < CHUNK; c++)
-                    s[c] = j + c < kn ? dot(q, it->a->k_cache + key_offset(it, k0 + j + c) + m / it->Mh * D, D) : 0.0f;
+                    s[c] = j + c < kn ? dot(q, elem_at(it->a->k_cache, key_offset(it, k0 + j + c) + m / it->Mh * D, dt), D, dt)
+                                      : 0.0f;
             }
             if (cap > 0.0f) STORE(s, soft_cap(LOAD(s), cap));
             for (int64_t c = 0; c < CHUNK; c++) { /* past the causal limit or the tile, before the window */
@@ -146,65 +155,78 @@ INLINE void tile_softmax(const Item *it, int64_t k0, int64_t kn, int64_t D) {
 
 #define MAX_REG_CHUNKS 8 /* head_dim up to 128 keeps its accumulator in registers */
 
-/* acc += sum_{c < n} p[c] * v_c over D floats, v_c = vb + c * stride. With D a constant
- * <= MAX_REG_CHUNKS * CHUNK, acc lives in registers for the whole walk. */
-INLINE void pv_rows(float *restrict acc, const float *restrict p, const float *restrict vb,
-                    int64_t stride, int64_t n, int64_t D) {
+/* acc += sum_{c < n} p[c] * v_c over D floats, v_c = vb + c * stride (elements of type dt).
+ * With D a constant <= MAX_REG_CHUNKS * CHUNK, acc lives in registers for the whole walk. */
+INLINE void pv_rows(float *restrict acc, const float *restrict p, const void *restrict vb,
+                    int64_t stride, int64_t n, int64_t D, int dt) {
     if (D % CHUNK || D > MAX_REG_CHUNKS * CHUNK) {
         for (int64_t c = 0; c < n; c++)
-            for (int64_t d = 0; d < D; d++) acc[d] += p[c] * vb[c * stride + d];
+            for (int64_t d = 0; d < D; d++) acc[d] += p[c] * load1_as_f32(vb, c * stride + d, dt);
         return;
     }
     vec x[MAX_REG_CHUNKS];
     for (int64_t i = 0; i < D / CHUNK; i++) x[i] = LOAD(acc + i * CHUNK);
     for (int64_t c = 0; c < n; c++) {
         const vec pc = splat(p[c]);
-        for (int64_t i = 0; i < D / CHUNK; i++) x[i] += pc * LOAD(vb + c * stride + i * CHUNK);
+        for (int64_t i = 0; i < D / CHUNK; i++) x[i] += pc * load_as_f32(vb, c * stride + i * CHUNK, dt);
     }
     for (int64_t i = 0; i < D / CHUNK; i++) STORE(acc + i * CHUNK, x[i]);
 }
 
 /* acc_m += sum_j p[m, j] * v_{k0 + j}, CHUNK keys at a time (one block's rows each). */
-INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D) {
+INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
     const int64_t stride = it->a->num_kv_heads * D;
     const int fast = it->a->block_size % CHUNK == 0;
     for (int64_t j = 0; j < kn; j += CHUNK) {
-        const float *vb = it->a->v_cache + key_offset(it, k0 + j);
+        const int64_t vb = key_offset(it, k0 + j);
         for (int64_t m = 0; m < it->M; m++) {
             if (chunk_hidden(it, m, k0 + j)) continue; /* its probabilities were never written */
             const int64_t n = it->lim[m] - k0 - j < CHUNK ? it->lim[m] - k0 - j : CHUNK;
             const float *p = it->s + m * TILE + j;
             float *acc = it->acc + m * D;
             if (fast) {
-                pv_rows(acc, p, vb + m / it->Mh * D, stride, n, D);
+                pv_rows(acc, p, elem_at(it->a->v_cache, vb + m / it->Mh * D, dt), stride, n, D, dt);
                 continue;
             }
             for (int64_t c = 0; c < n; c++) /* the chunk may span blocks: row by row */
-                pv_rows(acc, p + c, it->a->v_cache + key_offset(it, k0 + j + c) + m / it->Mh * D, stride, 1, D);
+                pv_rows(acc, p + c, elem_at(it->a->v_cache, key_offset(it, k0 + j + c) + m / it->Mh * D, dt),
+                        stride, 1, D, dt);
         }
     }
 }
 
 /* Every vector of the item over keys [first_key, num_keys), all any of them sees, TILE
  * keys at a time. first_key is a multiple of the block size: a CHUNK stays in one block. */
-INLINE void attend(const Item *it, int64_t first_key, int64_t num_keys, int64_t D) {
+INLINE void attend(const Item *it, int64_t first_key, int64_t num_keys, int64_t D, int dt) {
     for (int64_t k0 = first_key; k0 < num_keys; k0 += TILE) {
         const int64_t kn = num_keys - k0 < TILE ? num_keys - k0 : TILE;
-        tile_scores(it, k0, kn, D);
+        tile_scores(it, k0, kn, D, dt);
         tile_softmax(it, k0, kn, D);
-        tile_pv(it, k0, kn, D);
+        tile_pv(it, k0, kn, D, dt);
     }
 }
 
 typedef void (*attend_fn)(const Item *, int64_t, int64_t, int64_t);
-#define SPECIALISE(NAME, D_EXPR)                                                      \
+#define SPECIALISE(NAME, D_EXPR, DT)                                                  \
     static void NAME(const Item *it, int64_t first_key, int64_t num_keys, int64_t D) { \
         (void)D;                                                                      \
-        attend(it, first_key, num_keys, D_EXPR);                                      \
+        attend(it, first_key, num_keys, D_EXPR, DT);                                  \
     }
-SPECIALISE(attend_d64, 64)
-SPECIALISE(attend_d128, 128)
-SPECIALISE(attend_any, D)
+#define SPECIALISE_TYPE(T, DT)                 \
+    SPECIALISE(attend_d64_##T, 64, DT)         \
+    SPECIALISE(attend_d128_##T, 128, DT)       \
+    SPECIALISE(attend_any_##T, D, DT)
+SPECIALISE_TYPE(f32, DT_F32)
+SPECIALISE_TYPE(bf16, DT_BF16)
+SPECIALISE_TYPE(f16, DT_F16)
+
+/* The specialisation for a head_dim and a DT_* code (checked by the entry point). */
+static attend_fn pick_attend(int64_t D, int64_t dt) {
+    static const attend_fn fns[3][3] = {{attend_d64_f32, attend_d128_f32, attend_any_f32},
+                                        {attend_d64_bf16, attend_d128_bf16, attend_any_bf16},
+                                        {attend_d64_f16, attend_d128_f16, attend_any_f16}};
+    return fns[dt][D == 64 ? 0 : D == 128 ? 1 : 2];
+}
 
 /* Query rows [r0, r0 + nr) of sequence `seq`, every head. */
 static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr) {
@@ -223,8 +245,8 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
     it->M = a->num_kv_heads * it->Mh;
     for (int64_t m = 0; m < it->M; m++) {
         const int64_t h = m / it->Mh, r = m % it->Mh / G, g = m % G;
-        const float *src = a->query + (q_start + r0 + r) * a->q_stride_tok + (h * G + g) * a->q_stride_head;
-        for (int64_t d = 0; d < D; d++) it->q[m * D + d] = src[d] * a->scale;
+        const int64_t src = (q_start + r0 + r) * a->q_stride_tok + (h * G + g) * a->q_stride_head;
+        widen_row(it->q + m * D, a->query, src, D, a->scale, a->dtype);
         memset(it->acc + m * D, 0, D * sizeof(float));
         it->m_run[m] = a->sinks ? a->sinks[h * G + g] : -INFINITY; /* the sink: exp(0) = 1, no value */
         it->l_run[m] = a->sinks ? 1.0f : 0.0f;
@@ -234,9 +256,8 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
     fn(it, first_key, num_keys, D);
     for (int64_t m = 0; m < it->M; m++) {
         const int64_t h = m / it->Mh, r = m % it->Mh / G, g = m % G;
-        float *o = a->out + (q_start + r0 + r) * a->o_stride_tok + (h * G + g) * a->o_stride_head;
-        const float inv = 1.0f / it->l_run[m];
-        for (int64_t d = 0; d < D; d++) o[d] = it->acc[m * D + d] * inv;
+        const int64_t o = (q_start + r0 + r) * a->o_stride_tok + (h * G + g) * a->o_stride_head;
+        narrow_row(a->out, o, it->acc + m * D, D, 1.0f / it->l_run[m], a->dtype);
     }
     return 0;
 }
@@ -267,7 +288,7 @@ static int64_t find_seq(const int64_t *first, int64_t num_seqs, int64_t item) {
 /* This thread's share of the items (an orphaned omp for); returns its first error. */
 static int run_items(const Args *a, const int64_t *first, int64_t num_items) {
     const int64_t M = ROWS_TILE * a->num_heads, D = a->head_dim;
-    const attend_fn fn = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+    const attend_fn fn = pick_attend(D, a->dtype);
     /* One block: q, acc [M, D]; s [M, TILE]; m_run, l_run [M]; lim, lo [M] (int64). */
     float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + 2 * M * sizeof(int64_t));
     int64_t *bounds = (int64_t *)(mem + M * (2 * D + TILE + 2));
@@ -287,7 +308,8 @@ static int run_items(const Args *a, const int64_t *first, int64_t num_items) {
 }
 
 /* Entry point; returns 0 or an ERR_* code. Rows of skipped sequences are not written. */
-int rayllm_paged_attention_f32(const Args *a) {
+int rayllm_paged_attention(const Args *a) {
+    if (a->dtype != DT_F32 && a->dtype != DT_BF16 && a->dtype != DT_F16) return ERR_DTYPE;
     if (a->num_seqs <= 0) return 0;
     int64_t *first = malloc((a->num_seqs + 1) * sizeof(int64_t));
     if (!first) return ERR_NO_MEMORY;

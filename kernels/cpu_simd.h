@@ -89,21 +89,148 @@ INLINE vec transpose_sum(const vec *p) {
 }
 #endif
 
-/* s[j] = q . k_j for the CHUNK rows k_j = kb + j * stride ([D] each), D % CHUNK == 0. */
-INLINE vec dot_chunk(const float *restrict q, const float *restrict kb, int64_t stride, int64_t D) {
+/* Element types a kernel reads and writes as floats; the codes are shared with the Python
+ * wrappers. Call sites pass the type as a compile-time constant through these always-inlined
+ * helpers, so a kernel specialised per type has no branch in its loops. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+typedef uint32_t u32vec __attribute__((vector_size(CHUNK * 4), aligned(4)));
+typedef uint16_t u16vec __attribute__((vector_size(CHUNK * 2), aligned(2)));
+
+INLINE int64_t dt_size(int64_t dt) { return dt == DT_F32 ? 4 : 2; } /* bytes per element */
+
+INLINE const void *elem_at(const void *p, int64_t i, int dt) { /* &p[i] for elements of type dt */
+    return (const char *)p + i * dt_size(dt);
+}
+
+/* IEEE half bits (in the low 16 of each lane) -> float, with integer ops only (no F16C): the
+ * exponent and mantissa move to float position and a multiply by 2^112 rebiases the exponent
+ * (15 -> 127), subnormal halves included; an all-ones exponent (inf, NaN) is restored after. */
+INLINE vec f16_widen(u32vec h) {
+    const vec f = (vec)((h & 0x7fff) << 13) * 0x1p112f;
+    const u32vec special = (u32vec)((h & 0x7c00) == 0x7c00) & 0x7f800000;
+    return (vec)((u32vec)f | special | (h & 0x8000) << 16);
+}
+
+/* CHUNK elements of type dt from p[i] on, as floats. A bf16 is the top half of a float. */
+INLINE vec load_as_f32(const void *p, int64_t i, int dt) {
+    if (dt == DT_F32) return LOAD((const float *)p + i);
+    const u32vec h = __builtin_convertvector(*(const u16vec *)((const uint16_t *)p + i), u32vec);
+    return dt == DT_BF16 ? (vec)(h << 16) : f16_widen(h);
+}
+
+INLINE float load1_as_f32(const void *p, int64_t i, int dt) { /* p[i] as a float */
+    if (dt == DT_F32) return ((const float *)p)[i];
+    u32vec h = {0};
+    h[0] = ((const uint16_t *)p)[i];
+    return dt == DT_BF16 ? ((vec)(h << 16))[0] : f16_widen(h)[0];
+}
+
+/* float -> bf16 bits, round to nearest even (as torch casts); a NaN stays a quiet NaN. */
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)(x >> 16 | 0x40);
+    return (uint16_t)((x + 0x7fff + (x >> 16 & 1)) >> 16);
+}
+
+/* float -> IEEE half bits, round to nearest even (F. Giesen's float_to_half_fast3_rtne):
+ * overflow gives inf, a NaN a quiet NaN, and below 2^-14 the float add of a magic number
+ * rounds the mantissa into half-subnormal position. */
+INLINE uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = x & 0x80000000u, magic_bits = (127 - 15 + 23 - 10 + 1) << 23;
+    x ^= sign;
+    uint32_t o;
+    if (x >= (127 + 16) << 23) { /* >= 2^16, inf or NaN (65520 .. 2^16 round up to inf below) */
+        o = x > 0x7f800000u ? 0x7e00 : 0x7c00;
+    } else if (x < 113u << 23) { /* below half's smallest normal */
+        float v, magic;
+        memcpy(&v, &x, 4);
+        memcpy(&magic, &magic_bits, 4);
+        v += magic;
+        memcpy(&o, &v, 4);
+        o -= magic_bits;
+    } else {
+        const uint32_t mant_odd = x >> 13 & 1;
+        x += ((uint32_t)(15 - 127) << 23) + 0xfff + mant_odd;
+        o = x >> 13;
+    }
+    return (uint16_t)(o | sign >> 16);
+}
+
+INLINE void store1_from_f32(void *p, int64_t i, float x, int dt) { /* p[i] = x, rounded to dt */
+    if (dt == DT_F32) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = dt == DT_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+}
+
+INLINE float round1_to(float x, int dt) { /* x rounded to type dt, as a float */
+    if (dt == DT_F32) return x;
+    const uint16_t h = dt == DT_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+    return load1_as_f32(&h, 0, dt);
+}
+
+/* Each lane rounded to nearest even bf16, as float bits (low 16 zero); a NaN stays a NaN. */
+INLINE u32vec bf16_round_bits(vec v) {
+    const u32vec x = (u32vec)v;
+    const u32vec nan = (u32vec)((x & 0x7fffffff) > 0x7f800000);
+    return (((x + 0x7fff + (x >> 16 & 1)) & ~nan) | ((x | 0x400000) & nan)) & 0xffff0000u;
+}
+
+/* p[i .. i + CHUNK) = v rounded to type dt. */
+INLINE void store_as(void *p, int64_t i, vec v, int dt) {
+    if (dt == DT_F32) {
+        STORE((float *)p + i, v);
+    } else if (dt == DT_BF16) {
+        *(u16vec *)((uint16_t *)p + i) = __builtin_convertvector(bf16_round_bits(v) >> 16, u16vec);
+    } else {
+        for (int l = 0; l < CHUNK; l++) ((uint16_t *)p)[i + l] = f32_to_f16(v[l]);
+    }
+}
+
+/* v rounded to type dt, still as floats: what a torch op in that type would have stored. */
+INLINE vec round_to(vec v, int dt) {
+    if (dt == DT_F32) return v;
+    if (dt == DT_BF16) return (vec)bf16_round_bits(v);
+    u32vec h = {0};
+    for (int l = 0; l < CHUNK; l++) h[l] = f32_to_f16(v[l]);
+    return f16_widen(h);
+}
+
+/* dst[d] = src[i0 + d] * scale for d < n, src of type dt: one loop per type, no branch per
+ * element (dt is a run-time value here). */
+static inline void widen_row(float *dst, const void *src, int64_t i0, int64_t n, float scale, int64_t dt) {
+    switch (dt) {
+    case DT_BF16: for (int64_t d = 0; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, DT_BF16) * scale; break;
+    case DT_F16: for (int64_t d = 0; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, DT_F16) * scale; break;
+    default: for (int64_t d = 0; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, DT_F32) * scale;
+    }
+}
+
+/* dst[i0 + d] = src[d] * mul rounded to type dt, for d < n. */
+static inline void narrow_row(void *dst, int64_t i0, const float *src, int64_t n, float mul, int64_t dt) {
+    switch (dt) {
+    case DT_BF16: for (int64_t d = 0; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, DT_BF16); break;
+    case DT_F16: for (int64_t d = 0; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, DT_F16); break;
+    default: for (int64_t d = 0; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, DT_F32);
+    }
+}
+
+/* s[j] = q . k_j for the CHUNK rows k_j = kb + j * stride ([D] each, type dt), D % CHUNK == 0. */
+INLINE vec dot_chunk(const float *restrict q, const void *restrict kb, int64_t stride, int64_t D, int dt) {
     vec p[CHUNK];
     for (int j = 0; j < CHUNK; j++) {
-        vec acc = LOAD(q) * LOAD(kb + j * stride);
-        for (int64_t d = CHUNK; d < D; d += CHUNK) acc += LOAD(q + d) * LOAD(kb + j * stride + d);
+        vec acc = LOAD(q) * load_as_f32(kb, j * stride, dt);
+        for (int64_t d = CHUNK; d < D; d += CHUNK) acc += LOAD(q + d) * load_as_f32(kb, j * stride + d, dt);
         p[j] = acc;
     }
     return transpose_sum(p);
 }
 
-/* q . k over any D (the slow path). */
-INLINE float dot(const float *restrict q, const float *restrict k, int64_t D) {
+/* q . k over any D, k of type dt (the slow path). */
+INLINE float dot(const float *restrict q, const void *restrict k, int64_t D, int dt) {
     float s = 0.0f;
-    for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
+    for (int64_t d = 0; d < D; d++) s += q[d] * load1_as_f32(k, d, dt);
     return s;
 }
 

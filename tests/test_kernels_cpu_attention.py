@@ -3,6 +3,11 @@
 Caches are poisoned: blocks no sequence owns, and the rows past a sequence's end
 in its last block, hold NaN, and `out` starts as NaN, so a stray read or an
 unwritten row fails the comparison.
+
+bf16 and fp16 run the same cases: the kernel widens them to fp32 and the reference
+computes in fp32 from the same values, so the two differ only by fp32 summation order
+(~1e-6) before each rounds its output once; that can move an output by one ulp of
+its type, 2^-7 of its magnitude at most for bf16 (8 significant bits), 2^-10 for fp16.
 """
 import math
 
@@ -14,13 +19,20 @@ from kernels.cpu_attention import (KERNEL_MAX_Q_LEN, kernel_available, paged_att
                                    store_kv_cpu)
 from kernels.reference import paged_attention_ref, store_kv_ref
 
-TOL = 2e-5
+TOL = 2e-5  # fp32: summation order only (outputs are ~1)
+# (atol, rtol) per dtype: fp32's TOL, plus one ulp of the half types (see the docstring).
+TOLS = {torch.float32: (TOL, TOL), torch.bfloat16: (TOL, 2**-7), torch.float16: (TOL, 2**-10)}
+DTYPES = list(TOLS)
+# SDPA's rows (long and fresh chunks; torch's code, not the kernel) in a half type: it rounds
+# the probabilities to that type before P @ V, so an output may be off by about one ulp of the
+# values it averages; randn values are below 8, whose ulp is 2^-5 in bf16 and 2^-8 in fp16.
+SDPA_TOLS = {torch.bfloat16: (2**-5, 2**-7), torch.float16: (2**-8, 2**-10)}
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the C kernel could not be built here")
 
 
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16,
-               num_blocks=None, first_block=0, seed=0, poison=float("nan")):
-    """paged_attention kwargs for a random batch on shuffled, non-contiguous blocks.
+               num_blocks=None, first_block=0, seed=0, poison=float("nan"), dtype=torch.float32):
+    """paged_attention kwargs for a random batch on shuffled, non-contiguous blocks, in `dtype`.
 
     `poison` fills what no sequence may read. The torch fallback needs it finite: it
     reads whole blocks and masks, and 0 * NaN is NaN (the engine zero-fills its cache)."""
@@ -31,7 +43,7 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
     table = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32)
     shape = (total, block_size, num_kv_heads, head_dim)
     # torch.empty: a huge cache stays virtual; only the blocks written below are touched.
-    k_cache, v_cache = torch.empty(shape), torch.empty(shape)
+    k_cache, v_cache = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
     if num_blocks is None:
         k_cache.fill_(poison)
         v_cache.fill_(poison)
@@ -43,14 +55,35 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
         for cache in (k_cache, v_cache):
             rows = torch.randn((n_blocks * block_size, num_kv_heads, head_dim), generator=gen)
             rows[seq_len:] = poison  # past the end: never to be read
-            cache[mine] = rows.view(n_blocks, block_size, num_kv_heads, head_dim)
+            cache[mine] = rows.view(n_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    return dict(query=torch.randn(cu[-1], num_heads, head_dim, generator=gen), k_cache=k_cache,
+    query = torch.randn(cu[-1], num_heads, head_dim, generator=gen).to(dtype)
+    return dict(query=query, k_cache=k_cache,
                 v_cache=v_cache, block_tables=table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=max(q_lens),
                 softmax_scale=1.0 / math.sqrt(head_dim))
+
+
+def kernel_rows(batch, fresh_from_new_rows):
+    """[num_tokens] bool: the rows the C kernel computes (the rest go to SDPA: longer chunks,
+    and fresh ones when the new K/V rows are given)."""
+    cu, seq_lens = batch["cu_seqlens_q"].tolist(), batch["seq_lens"].tolist()
+    rows = torch.zeros(cu[-1], dtype=torch.bool)
+    for s, seq_len in enumerate(seq_lens):
+        q_len = cu[s + 1] - cu[s]
+        rows[cu[s]:cu[s + 1]] = q_len <= KERNEL_MAX_Q_LEN and not (fresh_from_new_rows and 1 < q_len == seq_len)
+    return rows
+
+
+def assert_close(out, ref, batch, extra):
+    """The kernel's rows within TOLS; SDPA's in a half type within SDPA_TOLS."""
+    mine = kernel_rows(batch, "key" in extra)
+    atol, rtol = TOLS[ref.dtype]
+    torch.testing.assert_close(out[mine], ref[mine], atol=atol, rtol=rtol)
+    atol, rtol = SDPA_TOLS.get(ref.dtype, (atol, rtol))
+    torch.testing.assert_close(out[~mine], ref[~mine], atol=atol, rtol=rtol)
 
 
 def check(batch, **extra):
@@ -59,7 +92,7 @@ def check(batch, **extra):
     got = paged_attention_cpu(**batch, out=out, **extra)
     assert got is out
     assert not torch.isnan(out).any(), "rows left unwritten, or a poisoned row was read"
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+    assert_close(out, ref, batch, extra)
 
 
 def poison_before_windows(batch, value=float("nan")):
@@ -85,7 +118,7 @@ def check_windowed(batch, **extra):
     out = torch.full_like(batch["query"], float("nan"))
     paged_attention_cpu(**batch, out=out, **extra)
     assert not torch.isnan(out).any(), "rows left unwritten, or a block before the window was read"
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=TOL)
+    assert_close(out, ref, batch, extra)
 
 
 # Decode lengths around the 16-row block and 16-key vector edges, short to long.
@@ -94,45 +127,89 @@ DECODE_LENS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 128, 129, 300]
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_decode_mixed_lengths(group, head_dim):
-    batch = make_batch([1] * len(DECODE_LENS), DECODE_LENS, 2 * group, 2, head_dim, seed=group)
+def test_decode_mixed_lengths(group, head_dim, dtype):
+    batch = make_batch([1] * len(DECODE_LENS), DECODE_LENS, 2 * group, 2, head_dim, seed=group, dtype=dtype)
     check(batch)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 24, 32])
-def test_block_sizes_around_the_vector_width(block_size):
+def test_block_sizes_around_the_vector_width(block_size, dtype):
     # 8 and 24 are not multiples of the kernel's 16-key vectors: the row-by-row path.
     lens = [block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
-    check(make_batch([1, 1, 1, 1], lens, 4, 2, 64, block_size=block_size))
+    check(make_batch([1, 1, 1, 1], lens, 4, 2, 64, block_size=block_size, dtype=dtype))
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [40, 72])
-def test_head_dim_not_a_multiple_of_16(head_dim):
-    check(make_batch([1, 1, 3], [17, 50, 40], 4, 2, head_dim))
+def test_head_dim_not_a_multiple_of_16(head_dim, dtype):
+    check(make_batch([1, 1, 3], [17, 50, 40], 4, 2, head_dim, dtype=dtype))
 
 
 @needs_kernel
-def test_chunks_with_a_cached_prefix_and_fresh_chunks():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunks_with_a_cached_prefix_and_fresh_chunks(dtype):
     # q_len 1..KERNEL_MAX_Q_LEN run in the kernel (with or without a prefix); longer ones in SDPA.
     q_lens = [1, 2, 5, 16, KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 7, 20, 3]
     seq_lens = [40, 30, 5, 60, KERNEL_MAX_Q_LEN + 9, KERNEL_MAX_Q_LEN + 50, 20, 3]
-    check(make_batch(q_lens, seq_lens, 8, 2, 64))
+    check(make_batch(q_lens, seq_lens, 8, 2, 64, dtype=dtype))
 
 
 @needs_kernel
-def test_fresh_chunks_use_the_new_key_value_rows():
-    batch = make_batch([20, 1, 45], [20, 33, 45], 4, 2, 64)
-    key = torch.randn(66, 2, 64)
-    value = torch.randn(66, 2, 64)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_chunks_use_the_new_key_value_rows(dtype):
+    batch = make_batch([20, 1, 45], [20, 33, 45], 4, 2, 64, dtype=dtype)
+    key = torch.randn(66, 2, 64).to(dtype)
+    value = torch.randn(66, 2, 64).to(dtype)
     slots = []
     for s, (q_len, seq_len) in enumerate([(20, 20), (1, 33), (45, 45)]):
         for p in range(seq_len - q_len, seq_len):
             slots.append(int(batch["block_tables"][s, p // 16]) * 16 + p % 16)
     store_kv_cpu(key, value, batch["k_cache"], batch["v_cache"], torch.tensor(slots))
     check(batch, key=key, value=value)
+
+
+def special_values(dtype, n, gen):
+    """n values of dtype: its extremes (smallest subnormal, smallest normal, max, +-inf, NaN, 0)
+    first, then random ones across its whole exponent range, subnormals included."""
+    info = torch.finfo(dtype)
+    subnormal = info.tiny * info.eps  # the smallest: 2^-133 (bf16), 2^-24 (fp16)
+    fixed = torch.tensor([subnormal, 3 * subnormal, info.tiny, info.tiny - subnormal, info.max, -info.max,
+                          math.inf, -math.inf, math.nan, 1.0, -1.0, 0.0])
+    exponents = torch.randint(int(math.log2(subnormal)), int(math.log2(info.max)),
+                              (n - len(fixed),), generator=gen)
+    rand = torch.randn(n - len(fixed), generator=gen) * torch.pow(2.0, exponents.double()).float()
+    return torch.cat([fixed, rand]).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar (not CHUNK-wide) loads
+def test_half_types_convert_exactly(dtype, head_dim):
+    """A zero query scores every key alike, so a sequence of one key returns its value row and
+    one of two keys their mean (v0 + v1) * 0.5, both computed exactly in fp32: the output's
+    bits must be the reference's, through subnormals, ties (round to nearest even), inf and NaN."""
+    gen = torch.Generator().manual_seed(head_dim)
+    num_seqs = 64
+    values = special_values(dtype, 2 * num_seqs * head_dim, gen).view(num_seqs, 2, head_dim)
+    values[1::2] = values[1::2].abs()  # two-key sequences: same signs, so no inf - inf
+    v_cache = torch.zeros(num_seqs, 16, 1, head_dim, dtype=dtype)
+    v_cache[:, :2, 0] = values
+    seq_lens = torch.tensor([1, 2] * (num_seqs // 2), dtype=torch.int32)
+    batch = dict(query=torch.zeros(num_seqs, 1, head_dim, dtype=dtype),
+                 k_cache=torch.randn(num_seqs, 16, 1, head_dim, generator=gen).to(dtype), v_cache=v_cache,
+                 block_tables=torch.arange(num_seqs, dtype=torch.int32)[:, None], seq_lens=seq_lens,
+                 cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32), max_seqlen_q=1,
+                 softmax_scale=0.125)
+    v = values.float()
+    expect = torch.where(seq_lens[:, None] == 1, v[:, 0], (v[:, 0] + v[:, 1]) * 0.5)
+    expect = (expect + 0.0).to(dtype)  # -0 -> +0: the kernel's sums start from +0 (equal values)
+    out = paged_attention_cpu(**batch)
+    assert torch.equal(out[:, 0].view(torch.int16), expect.view(torch.int16))
 
 
 # Decodes, short chunks with a prefix (the kernel), a long one (SDPA), around the windows.
@@ -143,18 +220,21 @@ WINDOW_SEQ_LENS = [3, 17, 40, 300, 50, 20, KERNEL_MAX_Q_LEN + 90]
 @needs_kernel
 @pytest.mark.parametrize("window, block_size", [(1, 16), (5, 8), (5, 16), (16, 32), (37, 24),
                                                 (37, 16), (4096, 16)])
-def test_sliding_window(window, block_size):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window(window, block_size, dtype):
     """Windows shorter than a block and spanning several; 8 and 24 take the row-by-row path."""
-    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 4, 2, 64, block_size=block_size, seed=window)
+    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 4, 2, 64, block_size=block_size, seed=window,
+                       dtype=dtype)
     check_windowed(dict(batch, sliding_window=window))
 
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-def test_soft_cap_and_sinks(group, head_dim):
+def test_soft_cap_and_sinks(group, head_dim, dtype):
     gen = torch.Generator().manual_seed(group)
-    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 2 * group, 2, head_dim, seed=group)
+    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 2 * group, 2, head_dim, seed=group, dtype=dtype)
     sinks = 3 * torch.randn(2 * group, generator=gen)
     check(dict(batch, logits_soft_cap=1.5))
     check(dict(batch, sinks=sinks))
@@ -162,9 +242,10 @@ def test_soft_cap_and_sinks(group, head_dim):
 
 
 @needs_kernel
-def test_fresh_chunks_with_a_window_use_the_new_rows():
-    batch = make_batch([45, 1], [45, 33], 4, 2, 64)
-    key, value = torch.randn(46, 2, 64), torch.randn(46, 2, 64)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_chunks_with_a_window_use_the_new_rows(dtype):
+    batch = make_batch([45, 1], [45, 33], 4, 2, 64, dtype=dtype)
+    key, value = torch.randn(46, 2, 64).to(dtype), torch.randn(46, 2, 64).to(dtype)
     slots = [int(batch["block_tables"][0, p // 16]) * 16 + p % 16 for p in range(45)]
     slots.append(int(batch["block_tables"][1, 2]) * 16)  # position 32
     store_kv_cpu(key, value, batch["k_cache"], batch["v_cache"], torch.tensor(slots))
@@ -199,10 +280,11 @@ def test_block_ids_past_30000():
 
 
 @needs_kernel
-def test_strided_query_and_host_lengths():
-    batch = make_batch([1, 6, 1], [20, 6, 64], 4, 2, 64)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_query_and_host_lengths(dtype):
+    batch = make_batch([1, 6, 1], [20, 6, 64], 4, 2, 64, dtype=dtype)
     q = batch["query"]
-    qkv = torch.randn(q.shape[0], 8 * 64)  # query as a view into a fused qkv output
+    qkv = torch.randn(q.shape[0], 8 * 64).to(dtype)  # query as a view into a fused qkv output
     qkv[:, :256] = q.reshape(q.shape[0], -1)
     batch["query"] = qkv[:, :256].view(q.shape[0], 4, 64)
     check(batch, seq_lens_cpu=[20, 6, 64], query_lens_cpu=[1, 6, 1])

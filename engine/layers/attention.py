@@ -27,10 +27,10 @@ from engine.worker.forward_context import get_forward_context
 def _load_backend(backend: str, fp8_kv: bool = False):
     """(store_kv, paged_attention, is_cpu_path) for a backend name.
 
-    The "torch" backend is the CPU path: the fused C kernel for fp32 CPU tensors,
-    pure torch otherwise (kernels.cpu_attention decides per call). It takes host
+    The "torch" backend is the CPU path: the fused C kernel for fp32, bf16 and fp16 CPU
+    tensors, pure torch otherwise (kernels.cpu_attention decides per call). It takes host
     copies of the lengths and this step's K/V rows, so fresh prefills skip the cache.
-    With an fp8 cache it is pure torch always: the C kernel reads fp32 caches only.
+    With an fp8 cache it is pure torch always: the C kernel takes no fp8 cache.
     """
     if backend == "triton":
         from kernels import paged_attention, store_kv

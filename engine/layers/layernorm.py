@@ -15,9 +15,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _multiplier(self) -> torch.Tensor:
-        """What the normalised rows are multiplied by, [hidden]."""
-        return self.weight
+    def _fused_multiplier(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the fused C op (kernels.cpu_ops) multiplies x's normalised rows by, [hidden], where it
+        computes what _norm does (one rounding from float32: F.rms_norm, x and weight of one dtype);
+        None where _norm differs (HF's cast before the weight multiply)."""
+        return self.weight if self.weight.dtype == x.dtype else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
@@ -32,8 +34,9 @@ class RMSNorm(nn.Module):
         """x [..., hidden]. Without `residual`: returns norm(x). With it: the sum
         s = x + residual becomes the next residual and (norm(s), s) is returned.
         Both inputs are overwritten (x, residual: fresh activations the caller drops); on
-        CPU fp32 one fused C pass (kernels.cpu_ops) does the add and the norm."""
-        fused = cpu_ops.add_rms_norm(x, residual, self._multiplier(), self.eps)
+        CPU (fp32, bf16, fp16) one fused C pass (kernels.cpu_ops) does the add and the norm."""
+        multiplier = self._fused_multiplier(x)
+        fused = None if multiplier is None else cpu_ops.add_rms_norm(x, residual, multiplier, self.eps)
         if fused is not None:
             return fused if residual is None else (fused, residual)
         if residual is None:
@@ -45,8 +48,8 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint's weight w is an offset, and HF computes
     norm(x.float()) * (1 + w.float()), cast back to x's dtype only at the end (RMSNorm casts
-    before it multiplies). 1 + w is kept in float32 (`scale`, set once the weights are in), so in
-    float32 the fused forms above (F.rms_norm, the C add-and-norm) compute exactly that."""
+    before it multiplies). 1 + w is kept in float32 (`scale`, set once the weights are in), so the
+    fused forms (F.rms_norm in float32, the C add-and-norm in any dtype) compute exactly that."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
@@ -58,8 +61,8 @@ class GemmaRMSNorm(RMSNorm):
         """Called by the loader once every weight is in."""
         self.scale = 1.0 + self.weight.float()  # float32 whatever was done to the module's dtype before
 
-    def _multiplier(self) -> torch.Tensor:
-        return self.scale
+    def _fused_multiplier(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale  # float32 whatever x's dtype: one rounding at the end, as _norm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
