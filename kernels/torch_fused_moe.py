@@ -70,7 +70,7 @@ def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, b13=None, b2
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[n, 2 * d] laid out [gate | up] -> silu(gate) * up [n, d]."""
-    fused = cpu_ops.silu_and_mul(x)  # CPU fp32: one pass, no temporary
+    fused = cpu_ops.silu_and_mul(x)  # CPU fp32 / bf16 / fp16: one pass, no temporary
     if fused is not None:
         return fused
     gate, up = x.chunk(2, dim=-1)
