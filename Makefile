@@ -25,9 +25,11 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The venv's own pip (ensurepip's, 22+ on Python 3.10+) installs this editable package; an
 	# upgrade first only asked the index for a newer pip on every fresh install.
-	# torch first and pinned: an unpinned torch pulls the CUDA build.
-	$(BIN)/pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[serve,test]'
+	# torch pinned in the same install: an unpinned torch pulls the CUDA build.
+	# pip compiles the .pyc files one at a time; compileall does it on every core. They must be
+	# there: Ray's workers run with PYTHONDONTWRITEBYTECODE=1 and would compile at each start.
+	$(BIN)/pip install -q --no-compile torch==$(TORCH_VERSION) -e '.[serve,test]'
+	$(BIN)/python -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
 	touch $@
 
 setup: $(BIN)/.installed

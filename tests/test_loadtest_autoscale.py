@@ -53,7 +53,8 @@ def test_tokens_by_replica_sums_each_replicas_series():
 
 
 def test_second_engine_replica_comes_up_under_load_and_serves(ray_cluster, tiny_llama, tmp_path):
-    with deployed_app(ray_cluster, {"model": tiny_llama, **DEMO_ARGS}, APP) as url, \
+    # engine_process=False: the second replica starts without a second process importing torch.
+    with deployed_app(ray_cluster, {"model": tiny_llama, **DEMO_ARGS, "engine_process": False}, APP) as url, \
             Sampler(url, APP, period_s=0.5) as sampler:
         before = sampler.sample()
         assert before["running"] == 1  # min_replicas

@@ -68,7 +68,8 @@ def test_linear_weights_stay_in_q4_1_blocks(llm):
 
 @pytest.fixture(scope="module")
 def client(ray_cluster, smollm2):
-    with deployed_app(ray_cluster, dict(model=smollm2, **ENGINE), "test_real_model") as url:
+    # colocate_ingress: the shape `make serve` runs on a CPU host (deploy/config.yaml).
+    with deployed_app(ray_cluster, dict(model=smollm2, colocate_ingress=True, **ENGINE), "test_real_model") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 

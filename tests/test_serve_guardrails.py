@@ -172,7 +172,9 @@ def reference(tiny_llama):
 
 @pytest.fixture(scope="module")
 def base_url(ray_cluster, tiny_llama, reference):
-    args = dict(model=tiny_llama, served_model_name=MODEL, guardrails=POLICY, **ENGINE)
+    # The step loop in the engine replica's thread (engine_process=False): what is tested here is the
+    # Guardrails deployment, and the replica starts without a second process importing torch.
+    args = dict(model=tiny_llama, served_model_name=MODEL, guardrails=POLICY, engine_process=False, **ENGINE)
     with deployed_app(ray_cluster, args, APP) as url:
         yield url
 

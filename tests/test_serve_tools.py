@@ -53,8 +53,10 @@ def test_the_app_args_name_a_bad_parser_or_policy(tiny_qwen3_tools):
 
 @pytest.fixture(scope="module")
 def base_url(ray_cluster, tiny_qwen3_tools):
+    # The step loop in the engine replica's thread (engine_process=False): what is tested here is the
+    # HTTP tier's parsing, and the replica starts without a second process importing torch.
     args = dict(model=tiny_qwen3_tools, served_model_name=MODEL, reasoning_parser="qwen3",
-                tool_call_parser="hermes", **ENGINE)
+                tool_call_parser="hermes", engine_process=False, **ENGINE)
     with deployed_app(ray_cluster, args, APP) as url:
         yield url
 
