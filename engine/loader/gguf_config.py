@@ -68,7 +68,8 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 def check_gguf(reader, name: str) -> str:
     """Refuse what the engine cannot run, naming it; returns the GGUF architecture.
-    `reader` is a gguf.GGUFReader (typed loosely: this module must not import gguf at import)."""
+    `reader` is a gguf.GGUFReader or a gguf_index.GGUFIndex (typed loosely: this module must not
+    import gguf at import)."""
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else "<missing>"
     if arch not in GGUF_ARCHITECTURES:

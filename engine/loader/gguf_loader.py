@@ -1,11 +1,11 @@
 """GGUF weights into the engine's parameters: memory-mapped, dequantized, un-permuted, sharded.
 
-The GGUF file is read with the `gguf` package (llama.cpp's own Python reader, memory-mapped).
-Each tensor is renamed to its HF name, dequantized to float32 with `gguf.quants.dequantize`
-(llama.cpp's reference dequantization in numpy), has llama.cpp's Q/K row permutation undone,
-and then goes the way a safetensors tensor goes: to the parameter's own `weight_loader`, which
-casts it to the engine dtype and cuts this TP rank's slice. One tensor is dequantized at a
-time, so the float32 copy of the whole model never exists.
+The GGUF file's tensors are listed by engine.loader.gguf_index (memory-mapped; the metadata's
+arrays, the tokenizer's, are stepped over). Each tensor is renamed to its HF name, dequantized to
+float32 with `gguf.quants.dequantize` (llama.cpp's reference dequantization in numpy), has
+llama.cpp's Q/K row permutation undone, and then goes the way a safetensors tensor goes: to the
+parameter's own `weight_loader`, which casts it to the engine dtype and cuts this TP rank's slice.
+One tensor is dequantized at a time, so the float32 copy of the whole model never exists.
 
 Mixture-of-experts files stack each layer's experts in one tensor (`blk.N.ffn_gate_exps` [E, I, H],
 `ffn_up_exps`, `ffn_down_exps` [E, H, I]); each expert's rows are dequantized on their own
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from torch import nn
 
@@ -38,6 +37,7 @@ from engine.layers.quantization import checkpoint_prefixes
 from engine.layers.quantization.gguf import PACKED_TYPES, GGUFBlocks, GGUFLinearMethod
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader.gguf_config import check_gguf
+from engine.loader.gguf_index import GGUFIndex
 # The safetensors loader's own name mapping, so both formats fill parameters the same way.
 from engine.loader.weights import load_named_tensors
 
@@ -180,7 +180,7 @@ def load_gguf_weights(model: nn.Module, path: str | Path) -> None:
     """Load every tensor of the GGUF file at `path` into `model`'s parameters (cast to their dtype).
     Raises ValueError naming an unsupported architecture or tensor type, or missing/unexpected tensors."""
     path = Path(path)
-    reader = GGUFReader(path)  # memory-mapped
+    reader = GGUFIndex(path)  # memory-mapped
     arch = check_gguf(reader, path.name)
     config = model.config
     tied = config.tie_word_embeddings
