@@ -234,7 +234,10 @@ def _resolve_dtype(dtype: str, on_cuda: bool, checkpoint_dtype: str) -> str:
     if dtype != "auto":
         return dtype
     if not on_cuda:
-        return "float32"  # CPU bf16 matmuls are slower than fp32 on most hosts
+        # fp32: bf16 matmuls are slower than fp32 on hosts without BF16 instructions; with them
+        # (AVX512-BF16, AMX) bf16 is the faster dtype here too, but a default chosen by CPU flags
+        # would change every CPU run's numerics (docs/quantization.md, "Speed").
+        return "float32"
     # On GPU: the checkpoint's half type if it has one, else bf16.
     return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
 
