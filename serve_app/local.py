@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -122,8 +123,6 @@ _POLL_S = 0.1
 
 def _wait_for_apps(done, timeout_s: float = 600.0) -> None:
     """Poll Serve's application statuses ({name: ApplicationStatusOverview}) until done(them)."""
-    import time
-
     from ray import serve
 
     deadline = time.monotonic() + timeout_s

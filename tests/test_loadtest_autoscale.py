@@ -4,6 +4,7 @@ Real Ray Serve (the suite's shared local cluster), the tiny model, the demo's ag
 """
 import asyncio
 import contextlib
+
 import pytest
 
 from loadtest.autoscale import DEMO_ARGS, Sampler, tokens_by_replica

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, READER_SUPPORTED_VERSIONS,
+                  GGMLQuantizationType, GGUFReader, GGUFValueType)
 from gguf.quants import quant_shape_to_byte_shape
 
-_VERSIONS = (2, 3)
-# Scalar metadata types: their struct format (little-endian).
-_SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-            GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+# Scalar metadata types and their numpy types: gguf's reader's own table.
+_SCALARS = GGUFReader.gguf_scalar_to_np
 # Tensor types the reader views as numbers; every other type as its raw bytes per row (as gguf does).
 _NUMPY_TYPES = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -65,9 +62,10 @@ class GGUFIndex:
         magic, version, num_tensors, num_kv = self._unpack("<IIQQ", 0)
         if magic != GGUF_MAGIC:
             raise ValueError(f"{path.name}: not a GGUF file (magic {magic:#x})")
-        if version not in _VERSIONS:
-            raise ValueError(f"{path.name}: GGUF version {version} is not supported (supported: 2, 3; a "
-                             f"big-endian file reads as a version above 65535)")
+        if version not in READER_SUPPORTED_VERSIONS:
+            raise ValueError(f"{path.name}: GGUF version {version} is not supported (supported: "
+                             f"{', '.join(map(str, READER_SUPPORTED_VERSIONS))}; a big-endian file reads "
+                             f"as a version above 65535)")
         offset = 24
         self.fields: dict[str, IndexField] = {}
         for _ in range(num_kv):
@@ -107,8 +105,8 @@ class GGUFIndex:
         if value_type == GGUFValueType.STRING:
             return self._string(offset)
         if value_type in _SCALARS:
-            fmt = _SCALARS[value_type]
-            return self._unpack(fmt, offset)[0], offset + struct.calcsize(fmt)
+            dtype = np.dtype(_SCALARS[value_type]).newbyteorder("<")
+            return np.frombuffer(self.data, dtype, 1, offset)[0].item(), offset + dtype.itemsize
         if value_type != GGUFValueType.ARRAY:
             raise ValueError(f"{self._name}: unknown GGUF metadata type {value_type}")
         item_type, count = self._unpack("<IQ", offset)
@@ -116,7 +114,7 @@ class GGUFIndex:
 
     def _skip_items(self, item_type: GGUFValueType, count: int, offset: int) -> int:
         if item_type in _SCALARS:
-            return offset + count * struct.calcsize(_SCALARS[item_type])
+            return offset + count * np.dtype(_SCALARS[item_type]).itemsize
         for _ in range(count):  # strings and nested arrays: each item says its own length
             if item_type == GGUFValueType.STRING:
                 offset += 8 + self._unpack("<Q", offset)[0]
