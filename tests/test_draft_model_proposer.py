@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.layers.linear import LinearBase
 from engine.spec_decode import draft_model_proposer
 from engine.tools.tiny_model import make_tiny_model
 from tests.hf_reference import assert_matches, hf_greedy, load_hf
@@ -128,3 +129,24 @@ def test_a_seeded_request_is_reproducible_with_sampled_drafts(tiny_llama, other_
     mixed = _generate(llm, [LETTERS[:12], prompt, prompt[7:]], [other, seeded, other])
     llm.shutdown()
     assert mixed[1].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("draft", ["itself", "other"])  # drafts accepted / rejected
+def test_tp2_target_with_a_whole_draft_on_rank_0(tiny_llama, other_llama, draft):
+    """tensor_parallel_size=2 (gloo): the target sharded over two processes, the draft whole in rank
+    0's. Greedy output equals HF's whether the drafts are accepted (the target as its own draft) or
+    rejected and rolled back on both ranks (another model). Without `unsharded` the draft is built
+    as half of a model and its forward waits in a collective that no worker joins."""
+    spec = {"method": "draft_model", "model": tiny_llama if draft == "itself" else other_llama,
+            "num_speculative_tokens": 3}
+    with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2, max_num_batched_tokens=64,
+             speculative_config=spec) as llm:
+        model = llm.llm_engine.spec_decoder.proposer.runner.model
+        assert {m.tp_size for m in model.modules() if isinstance(m, LinearBase)} == {1}
+        prompts = _prompts(llm.llm_engine.model_config.vocab_size)
+        outs = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        for p, out in zip(prompts, outs):
+            assert_matches(out.outputs[0].token_ids, hf_greedy(tiny_llama, p, MAX_TOKENS), f"tp=2, {len(p)} tokens")
+        accepted, rejected = _draft_counts(llm)
+        assert (accepted if draft == "itself" else rejected) >= 30, (accepted, rejected)
+        llm.llm_engine.spec_decoder.proposer.block_manager.check_no_leak()

@@ -125,10 +125,6 @@ class EngineConfig:
             _check_reasoning_parser(self.reasoning_parser)
         _check_lora(self)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model" \
-                and self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config.method='draft_model' is not supported with tensor_parallel_size="
-                             f"{self.tensor_parallel_size} (the draft runs unsharded on rank 0); use 'ngram'")
         if self.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling=True is not supported with speculative_config (a step's "
                              "proposals need the previous step's accepted tokens on the host)")

@@ -5,10 +5,16 @@ rank r of `tp_size` holds a 1/tp_size slice of every sharded weight. When
 torch.distributed is not initialized the engine runs as rank 0 of 1 and every
 collective is a no-op, so single-process code never pays for (or needs) a group.
 Worker processes that call `init_tp_group` are started elsewhere.
+
+`unsharded()` makes this thread see a world of one for a while: a draft model (speculative
+decoding) is built and run whole on rank 0 beside a sharded target, as vLLM's draft TP of 1.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,12 +62,32 @@ def destroy_tp_group() -> None:
         dist.destroy_process_group()
 
 
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+    """Inside, in this thread only: rank 0 of 1, every collective a no-op. Layers read the rank and
+    size when built and the collectives at each call, so a model built and run inside holds and
+    computes every weight here, whatever the TP group outside."""
+    before = getattr(_thread, "unsharded", False)
+    _thread.unsharded = True
+    try:
+        yield
+    finally:
+        _thread.unsharded = before
+
+
+def _in_group() -> bool:
+    return dist.is_available() and dist.is_initialized() and not getattr(_thread, "unsharded", False)
+
+
 def get_tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _in_group() else 0
 
 
 def get_tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _in_group() else 1
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:

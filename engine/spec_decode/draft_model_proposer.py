@@ -1,7 +1,10 @@
 """Draft-model proposals: a small checkpoint with the target's tokenizer runs k steps.
 
 The draft runs in the engine's process on its own `ModelRunner` (its weights, its KV cache) with
-its own `BlockManager` pool of the target's block size and block count. Each target sequence has
+its own `BlockManager` pool of the target's block size and block count. With tensor parallelism
+that process is rank 0, and the draft is built and run there whole (`unsharded`, vLLM's draft
+tensor parallel size of 1): a small model's forward costs less than the collectives sharding
+it would add, and the workers never see it. Each target sequence has
 a shadow `Sequence` there, whose tokens follow the target's and whose KV the draft computes:
 
     propose():  sync each shadow with its target sequence (keep the KV of the tokens both agree on,
@@ -32,6 +35,7 @@ from engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from engine.core.block_manager import BlockManager
 from engine.core.messages import SchedulerOutput
 from engine.core.sequence import Sequence
+from engine.executor.parallel_state import unsharded
 from engine.loader.model_path import resolve_model_path
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_sampler import DraftSampler
@@ -54,7 +58,8 @@ class DraftModelProposer:
             block_size=config.block_size, num_kv_blocks=num_kv_blocks, enforce_eager=True,
             attention_backend=config.attention_backend, seed=config.seed, async_scheduling=False,
         ).resolve(draft)
-        self.runner = ModelRunner(draft_config, draft, path, eos_token_ids=[])
+        with unsharded():  # whole on rank 0, beside a target sharded over tensor_parallel_size ranks
+            self.runner = ModelRunner(draft_config, draft, path, eos_token_ids=[])
         self.sampler = DraftSampler(target.eos_token_ids, config.seed, self.runner.device)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching=True)
         self.k = spec.num_speculative_tokens
@@ -162,7 +167,8 @@ class DraftModelProposer:
         the q it was drawn from. Returns those shadows."""
         if so.is_empty:
             return []
-        logits = self.runner.forward(so).logits  # [len(sampled), vocab]: a shadow never scores its prompt
+        with unsharded():
+            logits = self.runner.forward(so).logits  # [len(sampled), vocab]: a shadow never scores its prompt
         for shadow, n in zip(so.seqs, so.num_scheduled_tokens):
             shadow.num_computed_tokens += n
         sampled = so.sampled_seqs
