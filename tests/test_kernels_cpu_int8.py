@@ -3,11 +3,16 @@ engine/layers/quantization/int8.py's quantize_per_token then `torch._int_mm`, th
 the scaled output equal too (the same fp32 operations in the same order); odd shapes, fp32 and bf16
 activations, static and dynamic scales, zero rows, round-half-even, the +128 offset's correction;
 the packed layout; bad arguments named."""
+import ctypes
+import platform
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.layers.quantization.int8 import quantize_per_channel, quantize_per_token, quantize_static
-from kernels import cpu_int8
+from kernels import cpu_build, cpu_int8
 
 needs_kernel = pytest.mark.skipif(not cpu_int8.available(), reason="no AVX-512 VNNI here, or no C compiler")
 # (in, out): in not a multiple of 64 (nor of 4: a padded last group), out not a multiple of 16
@@ -151,3 +156,40 @@ def test_bad_arguments_are_named(call, named):
     w = cpu_int8.pack_int8_vnni(*make_weight(16, 64, seed=0))
     with pytest.raises(ValueError, match=named):
         call(w)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
+                    reason="an x86 C compiler is needed to build without VNNI")
+def test_a_build_without_vnni_says_so(tmp_path):
+    """Built for a CPU without AVX-512 VNNI, the library reports it and refuses to multiply; the
+    wrapper then calls the kernel unavailable, and the layers keep their torch path."""
+    source = Path(cpu_int8.__file__).with_name("cpu_int8.c")
+    target = tmp_path / "cpu_int8_novnni.so"
+    assert cpu_build._compile("cc", source, target, ["-O1", "-march=native", "-mno-avx512vnni", "-shared",
+                                                      "-fPIC"]) is None
+    lib = ctypes.CDLL(str(target))
+    assert lib.rayllm_int8_vnni_available() == 0
+    assert lib.rayllm_int8_w8a8_gemm(*[None] * 13) == 1  # ERR_NO_VNNI, nothing touched
+
+
+def test_unavailable_where_the_library_has_no_vnni(monkeypatch):
+    class Fn:
+        def __init__(self, result):
+            self.result = result
+
+        def __call__(self, *args):
+            return self.result
+
+    class NoVnniLibrary:
+        rayllm_int8_vnni_available = Fn(0)
+        rayllm_int8_w8a8_gemm = Fn(1)
+
+    monkeypatch.setattr(cpu_int8, "load_kernel_library", lambda name: NoVnniLibrary())
+    cpu_int8._lib.cache_clear()
+    try:
+        assert not cpu_int8.available()
+        with pytest.raises(RuntimeError, match="not available .* no AVX-512 VNNI"):
+            cpu_int8.int8_linear_cpu(torch.randn(2, 64), cpu_int8.pack_int8_vnni(*make_weight(16, 64, seed=0)))
+    finally:
+        monkeypatch.undo()
+        cpu_int8._lib.cache_clear()
