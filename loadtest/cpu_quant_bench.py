@@ -40,8 +40,8 @@ from engine.layers.quantization import UnquantizedLinearMethod, quantized_build
 from engine.layers.quantization.awq import AWQ_ORDER, AWQConfig
 from engine.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8LinearMethod, Fp8Scheme
 from engine.layers.quantization.gguf import GGUFBlocks, GGUFConfig
-from engine.layers.quantization.int8 import Int8Config, Int8W8A8LinearMethod, quantize_per_channel
-from kernels import cpu_fp8, cpu_gguf, cpu_int4
+from engine.layers.quantization.int8 import Int8Config, Int8W8A8LinearMethod, _torch_w8a8, quantize_per_channel
+from kernels import cpu_fp8, cpu_gguf, cpu_int4, cpu_int8
 from kernels.torch_gguf import BLOCK_LAYOUTS, Q4_K, Q8_0, dequantize
 from loadtest.cpu_gguf_bench import random_blocks
 from loadtest.cpu_kernel_bench import LAYER_SHAPES
@@ -121,11 +121,24 @@ def _int8_w8a16(w):  # quantization="int8": the dense weight loaded, quantized p
     return build, q.float() * scale[:, None]
 
 
-def _int8_w8a8(w):  # compressed-tensors' int8 channel-wise, dynamic per-token activations
-    q, scale = quantize_per_channel(w)
-    build = lambda: _layer(lambda _: Int8W8A8LinearMethod("channel", static_input_scale=False),  # noqa: E731
-                           w.shape, {"weight": q, "weight_scale": scale[:, None]})
-    return build, q.float() * scale[:, None]
+class TorchInt8W8A8(Int8W8A8LinearMethod):
+    """W8A8 on its torch path (activations quantized by torch ops, `_int_mm`) where the VNNI kernel
+    would run: that kernel's baseline."""
+
+    def choose_matmul(self, layer: nn.Module):
+        return _torch_w8a8
+
+
+def _int8_w8a8(method: type[Int8W8A8LinearMethod]):
+    """compressed-tensors' int8 channel-wise, dynamic per-token activations, through `method`."""
+    def make(w):
+        if method is Int8W8A8LinearMethod and not cpu_int8.available():
+            raise Unsupported("no AVX-512 VNNI here (or no C compiler): the layer would take the torch path")
+        q, scale = quantize_per_channel(w)
+        build = lambda: _layer(lambda _: method("channel", static_input_scale=False),  # noqa: E731
+                               w.shape, {"weight": q, "weight_scale": scale[:, None]})
+        return build, q.float() * scale[:, None]
+    return make
 
 
 def _awq(w):
@@ -175,7 +188,8 @@ VARIANTS = {
                            torch.bfloat16),
     "FP8 W8A16": Variant(_fp8, 1e-4, "fp32 math on the dequantized FP8 weight"),
     "int8 W8A16": Variant(_int8_w8a16, 1e-2, "activations and output rounded to bf16"),
-    "int8 W8A8": Variant(_int8_w8a8, 5e-2, "activations quantized to int8 per token"),
+    "int8 W8A8": Variant(_int8_w8a8(TorchInt8W8A8), 5e-2, "activations quantized to int8 per token"),
+    "int8 W8A8 VNNI": Variant(_int8_w8a8(Int8W8A8LinearMethod), 5e-2, "activations quantized to int8 per token"),
     "int4 AWQ g128": Variant(_awq, 1e-4, "fp32 math on the dequantized int4 weight"),
     "GGUF Q4_K": Variant(_gguf(Q4_K), 1e-4, "fp32 math on the dequantized blocks"),
     "GGUF Q8_0": Variant(_gguf(Q8_0), 1e-4, "fp32 math on the dequantized blocks"),
@@ -196,7 +210,8 @@ def engine_path(layer: nn.Module) -> str:
     if layer.packed_weight is not None:
         return "oneDNN packed"
     method = layer.quant_method
-    compute = getattr(method, "compute", None) or getattr(method, "gemm", None)  # fp8's, int4's choice
+    # fp8's, int4's, int8 W8A8's choice
+    compute = getattr(method, "compute", None) or getattr(method, "gemm", None) or getattr(method, "matmul", None)
     return getattr(compute, "__name__", type(compute).__name__) if compute is not None else type(method).__name__
 
 
@@ -344,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.inference_mode():
         results = [r for shape in args.shapes for r in shape_rows(shape, args.rows, args.variants, args, gen)]
     kernels = {"cpu_fp8": cpu_fp8.available(), "cpu_int4": cpu_int4.available(), "cpu_gguf": cpu_gguf.available(),
+               "cpu_int8_vnni": cpu_int8.available(),
                "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
     report = {**base_metadata(sys.argv if argv is None else ["cpu_quant_bench", *argv]),
               "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "stream": args.stream,

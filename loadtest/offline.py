@@ -3,8 +3,10 @@
     python -m loadtest.offline [--num-requests 64] [--seed 0] [--skip-hf] [--quick]
     python -m loadtest.offline --model models/smollm2-135m-instruct    # a real checkpoint (HF dir or GGUF)
     python -m loadtest.offline --arch qwen3_moe      # the bench shape as another architecture (MoE: 8 experts, top-2)
-    python -m loadtest.offline --skip-hf --dtype float32,bfloat16 --quantization none,int8 --rounds 2
+    python -m loadtest.offline --skip-hf --dtype float32,bfloat16 --quantization none,int8,w8a8 --rounds 2
                                                      # our engine in each dtype x quantization, interleaved
+                                                     # (w8a8: the model written once as a compressed-tensors
+                                                     # INT8 W8A8 checkpoint beside it, and loaded from there)
     python -m loadtest.offline --lora 4 --rounds 3   # 4 LoRA adapters against the base model (loadtest/offline_lora.py)
     python -m loadtest.offline --speculative ngram   # speculative decoding vs none (loadtest.offline_spec)
 
@@ -53,6 +55,25 @@ def ensure_bench_model(cache_dir: Path, arch: str = "llama") -> Path:
     return cache_dir
 
 
+def ensure_w8a8_model(model_path: Path) -> Path:
+    """The checkpoint as compressed-tensors INT8 W8A8 (engine.tools.w8a8_checkpoint: weights per
+    channel, activations per token), written once beside it (a config.json marks it complete)."""
+    out = model_path.parent / f"{model_path.name}-w8a8"
+    if not (out / "config.json").is_file():
+        from engine.tools.w8a8_checkpoint import write_w8a8_checkpoint
+
+        write_w8a8_checkpoint(model_path, out)
+    return out
+
+
+def engine_source(model_path: Path, quant: str) -> tuple[Path, str | None]:
+    """(the checkpoint to load, LLM's `quantization`) for one --quantization value: int8 quantizes
+    at load; w8a8 is a checkpoint format, read from its quantization_config."""
+    if quant == "w8a8":
+        return ensure_w8a8_model(model_path), None
+    return model_path, None if quant == "none" else quant
+
+
 def variant_name(dtype: str, quantization: str) -> str:
     return dtype if quantization == "none" else f"{dtype}+{quantization}"
 
@@ -76,9 +97,9 @@ def run_ours(model_path: Path, requests: list[BenchRequest], warmup: list[BenchR
     try:
         for dtype in args.dtype:
             for quant in args.quantization:
+                path, quantization = engine_source(model_path, quant)
                 engines[variant_name(dtype, quant)] = LLM(
-                    model=str(model_path), dtype=dtype, device="cpu", max_num_seqs=256,
-                    quantization=None if quant == "none" else quant,
+                    model=str(path), dtype=dtype, device="cpu", max_num_seqs=256, quantization=quantization,
                     max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
                     seed=args.seed, num_kv_blocks=args.num_kv_blocks, kv_offload_gb=args.kv_offload_gb)
         results = {name: {"weight_bytes": weight_bytes(llm)} for name, llm in engines.items()}
@@ -199,7 +220,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32",
                     help="our engine's dtypes, comma-separated (float32, bfloat16); the first is the headline")
     ap.add_argument("--quantization", default="none",
-                    help="our engine's quantization per dtype, comma-separated (none, int8)")
+                    help="our engine's quantization per dtype, comma-separated (none, int8: W8A16 quantized "
+                         "at load, w8a8: a compressed-tensors INT8 W8A8 checkpoint written beside the model)")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs of each of our variants, interleaved")
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="our engine's KV pool in blocks (engine default: from cpu_kv_cache_gb)")
@@ -212,7 +234,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     offline_lora.check_lora_args(ap, args)
     args.dtype, args.quantization = args.dtype.split(","), args.quantization.split(",")
     for flag, values, allowed in (("--dtype", args.dtype, ("float32", "bfloat16")),
-                                  ("--quantization", args.quantization, ("none", "int8"))):
+                                  ("--quantization", args.quantization, ("none", "int8", "w8a8"))):
         bad = [v for v in values if v not in allowed]
         if bad:
             ap.error(f"{flag} {','.join(bad)} is not supported (choose from {', '.join(allowed)})")

@@ -3,6 +3,7 @@ OpenAI-compatible server on 127.0.0.1, and the offline CPU benchmark end to end.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -306,6 +307,19 @@ def test_offline_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert saved["correctness"]["num_mismatched"] == 0  # our greedy tokens equal HF's
     assert saved["peers"] == {} and saved["git_commit"] and saved["date"]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("torch threads")
+
+
+@pytest.mark.skipif(not _engine_importable(), reason="engine.LLM does not import yet")
+def test_offline_w8a8_writes_a_compressed_tensors_checkpoint_and_runs_it(tiny_model_dir, tmp_path):
+    from loadtest.offline import main
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    report = main(["--quick", "--skip-hf", "--num-requests", "2", "--model-dir", str(model_dir),
+                   "--quantization", "none,w8a8", "--out", str(tmp_path / "offline.json")])
+    group = json.loads((tmp_path / "model-w8a8" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert group["group_0"]["weights"]["type"] == "int" and group["group_0"]["input_activations"]["dynamic"]
+    plain, w8a8 = report["variants"]["float32"], report["variants"]["float32+w8a8"]
+    assert w8a8["tokens_per_s"] > 0 and w8a8["weight_mb"] < plain["weight_mb"]  # the embeddings stay fp32
 
 
 def test_offline_arch_flag_builds_its_own_bench_model_dir():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import engine.layers.quantization.int8 as int8
+from kernels import cpu_int8
 from loadtest import cpu_quant_bench as bench
 
 
@@ -17,7 +18,8 @@ def test_tiny_run_times_every_variant_against_the_peer(tmp_path, capsys):
     cells = {(tuple(r["shape"]), r["rows"], r["variant"]): r for r in rows}
     assert len(cells) == len(rows) == 2 * 2 * len(bench.VARIANTS)
     skipped = {(s, v) for (s, _, v), r in cells.items() if "skipped" in r}
-    assert skipped == {((96, 16), "int4 AWQ g128"), ((96, 16), "GGUF Q4_K")}
+    no_vnni = set() if cpu_int8.available() else {(s, "int8 W8A8 VNNI") for s in ((256, 32), (96, 16))}
+    assert skipped == {((96, 16), "int4 AWQ g128"), ((96, 16), "GGUF Q4_K")} | no_vnni
     timed = [r for r in rows if "skipped" not in r]
     assert all(r["best_ms"] > 0 and r["median_ms"] >= r["best_ms"] and r["copies"] == 1 for r in timed)
     assert all(r["max_rel_error"] <= r["tolerance"] for r in timed)
@@ -50,6 +52,14 @@ def test_a_wrong_variant_stops_the_run(tmp_path, monkeypatch):
         bench.main(["--shapes", "256x32", "--rows", "1", "--repeats", "1", "--variants", "int8 W8A8",
                     "--out", str(tmp_path / "b.json")])
     assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.skipif(not cpu_int8.available(), reason="no AVX-512 VNNI here, or no C compiler")
+def test_a_wrong_vnni_kernel_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_int8, "int8_linear_cpu", lambda x, w, s: torch.zeros(x.shape[0], w.shape[0]))
+    with pytest.raises(RuntimeError, match=r"int8 W8A8 VNNI, 256x32, 1 rows: output differs"):
+        bench.main(["--shapes", "256x32", "--rows", "1", "--repeats", "1", "--variants", "int8 W8A8 VNNI",
+                    "--out", str(tmp_path / "b.json")])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -17,11 +17,14 @@ from engine.executor.network_utils import free_port
 from engine.layers.attention import Attention
 from engine.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from engine.layers.quantization import quantize_linear_layers, quantized_build
+from engine.layers.quantization import get_quantization_config, int8
 from engine.layers.quantization.int8 import (Int8Config, Int8W8A8LinearMethod, Int8WeightOnlyLinearMethod,
                                              quantize_per_channel)
 from engine.loader.weights import load_weights
 from engine.models import get_model_class
 from engine.tools.tiny_model import make_tiny_model
+from engine.tools.w8a8_checkpoint import write_w8a8_checkpoint
+from kernels import cpu_int8
 from tests import hf_reference
 from tests.hf_reference import assert_matches, hf_greedy
 from tests.test_llm import _prompts
@@ -61,12 +64,13 @@ def test_online_int8_equals_hf_on_the_dequantized_weights(checkpoints, regime, m
         assert_matches(out.outputs[0].token_ids, hf_greedy(dequantized, p, MAX_TOKENS), f"prompt of {len(p)} tokens")
 
 
-def load_int8_model(path: str) -> torch.nn.Module:
-    """As the model runner builds it with quantization="int8" (fp32, CPU)."""
+def load_int8_model(path: str, quant_config=None) -> torch.nn.Module:
+    """As the model runner builds it with quantization="int8", or with the checkpoint's own
+    `quant_config` (fp32, CPU)."""
     config = ModelConfig.from_pretrained(path)
     with quantized_build():
         model = get_model_class(config.architecture)(config)
-    quantize_linear_layers(model, Int8Config.from_config({}))
+    quantize_linear_layers(model, quant_config or Int8Config.from_config({}))
     for m in model.modules():
         if isinstance(m, Attention):
             m.set_backend("torch")
@@ -149,15 +153,26 @@ def test_weight_only_method_against_torch(strategy, rows):
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (weight.shape[0],)
 
 
+def _use_vnni(monkeypatch, vnni: bool) -> None:
+    """vnni: the C kernel (skipped where it does not run); False: the torch path, as without VNNI."""
+    if vnni and not cpu_int8.available():
+        pytest.skip("no AVX-512 VNNI here, or no C compiler")
+    if not vnni:
+        monkeypatch.setattr(cpu_int8, "available", lambda: False)
+
+
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 40])
-def test_w8a8_method_against_torch(strategy, static, rows):
+@pytest.mark.parametrize("vnni", [True, False])
+def test_w8a8_method_against_torch(strategy, static, rows, vnni, monkeypatch):
+    _use_vnni(monkeypatch, vnni)
     gen = torch.Generator().manual_seed(2)
     parts = _checkpoint_parts(strategy, gen)
     for t in parts.values():
         t["bias"] = torch.zeros(t["weight"].shape[0])
     layer = _qkv_layer(Int8W8A8LinearMethod(strategy, static_input_scale=static), parts)
+    assert layer.quant_method.matmul is (int8._vnni_matmul if vnni else int8._torch_w8a8)
     weight = torch.cat([t["dense"] for t in parts.values()]).double()
     x = torch.randn(rows, HIDDEN, generator=gen)
     if static:  # the fused layer quantizes its input once, by the largest part's scale
@@ -190,6 +205,87 @@ def test_row_parallel_tensor_scale_unfused():
     x = torch.randn(5, 48, generator=gen)
     ref = F.linear(x, q.float() * scale)
     torch.testing.assert_close(layer(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+
+
+# -- a compressed-tensors W8A8 checkpoint through the engine -------------------------------------
+@pytest.fixture(scope="module")
+def w8a8_checkpoints(checkpoints, tmp_path_factory):
+    """(the tiny llama as llm-compressor's INT8 W8A8: per channel, dynamic per token; the same
+    weights dequantized, plain: HF's oracle)."""
+    path = write_w8a8_checkpoint(checkpoints[0], tmp_path_factory.mktemp("tiny-llama-w8a8"))
+    deq = shutil.copytree(checkpoints[0], tmp_path_factory.mktemp("tiny-llama-w8a8-dequantized"), dirs_exist_ok=True)
+    tensors = load_file(f"{path}/model.safetensors")
+    plain = {name: t for name, t in tensors.items() if not name.endswith("weight_scale")}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale"):
+            weight = name[: -len("_scale")]
+            plain[weight] = tensors[weight].float() * t
+    save_file(plain, deq / "model.safetensors")
+    return str(path), str(deq)
+
+
+def _w8a8_run(path: str):
+    """Prefill of two prompts, then one decode step each: (logits of every row, the prompts, the model)."""
+    from tests.test_models import attach_kv_cache, prompts, run_step
+
+    quant_config = get_quantization_config("compressed-tensors",
+                                           ModelConfig.from_pretrained(path).hf_config["quantization_config"])
+    model = load_int8_model(path, quant_config)
+    seqs = prompts(model.config.vocab_size, lengths=(7, 20))
+    attach_kv_cache(model, len(seqs))
+    prefill = run_step(model, [(s, t, 0) for s, t in enumerate(seqs)])
+    decode = run_step(model, [(s, [3], len(t)) for s, t in enumerate(seqs)])
+    return torch.cat([prefill, decode]), seqs, model
+
+
+def test_w8a8_checkpoint_vnni_equals_the_torch_path(w8a8_checkpoints, monkeypatch):
+    """Every linear through the VNNI kernel, its weight repacked (one byte per weight still, and 8
+    per output: the fp32 scale, the int32 correction), gives the torch path's logits exactly: the
+    same int32 sums, scaled by the same fp32 operations."""
+    _use_vnni(monkeypatch, True)
+    logits, _, model = _w8a8_run(w8a8_checkpoints[0])
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert all(m.quant_method.matmul is int8._vnni_matmul and not hasattr(m, "weight") for m in linears)
+    packed = sum(m.output_size * m.input_size for m in linears)
+    per_output = 8 * sum(m.output_size for m in linears)
+    resident = sum(t.numel() * t.element_size() for m in linears for t in [*m.parameters(), *m.buffers()])
+    assert packed + per_output <= resident <= 1.1 * packed + per_output, (resident, packed, per_output)
+    _use_vnni(monkeypatch, False)
+    torch_logits, _, torch_model = _w8a8_run(w8a8_checkpoints[0])
+    assert torch_model.model.layers[0].mlp.down_proj.quant_method.matmul is int8._torch_w8a8
+    torch.testing.assert_close(logits, torch_logits, atol=0, rtol=0)
+
+
+def test_w8a8_checkpoint_within_tolerance_of_hf(w8a8_checkpoints):
+    """Activations quantized per token (half a step of 1/127 of each row's absmax) move the prefill
+    logits from HF's on the dequantized weights: within 5% of their range, and above 1e-3 of it,
+    which shows the activations were quantized (weight-only int8 here would be ~1e-6)."""
+    logits, seqs, _ = _w8a8_run(w8a8_checkpoints[0])
+    hf = hf_reference.load_hf(w8a8_checkpoints[1])
+    with torch.inference_mode():
+        ref = torch.cat([hf(torch.tensor([s])).logits[0].float() for s in seqs])
+    ours = logits[: ref.shape[0]]
+    spread = (ref.max() - ref.min()).item()
+    err = (ours - ref).abs().max().item()
+    assert 1e-3 * spread < err < 0.05 * spread, (err, spread)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.75
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_w8a8_engine_greedy_vnni_equals_the_torch_path(w8a8_checkpoints, dtype, monkeypatch):
+    """The engine on the checkpoint (decode batches and 130- / 333-token prefills; bf16: the
+    kernel takes and returns bf16): the same greedy tokens with and without the kernel."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for vnni in (True, False):
+        _use_vnni(monkeypatch, vnni)
+        llm = LLM(w8a8_checkpoints[0], dtype=dtype, device="cpu")
+        qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.quant_method.matmul is (int8._vnni_matmul if vnni else int8._torch_w8a8)
+        prompts = _prompts(llm.llm_engine.model_config.vocab_size, (1, 3, 130, 333))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------

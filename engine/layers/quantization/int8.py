@@ -13,9 +13,12 @@ loadtest.cpu_quant_bench`, figures in docs/benchmarks.md):
   rows torch's `_weight_int8pack_mm` streams the int8 weight; above it that kernel falls behind, so
   the weight is widened to bf16 for one bf16 matmul (a temporary, per call) and the scale applied
   to its output.
-- W8A8: `torch._int_mm` on the int8 weight's transposed view, int32 accumulate, then both scales.
-CUDA (untested here: no GPU on the dev box): W8A8 through the same `_int_mm`; W8A16 widens the
-weight to the activation dtype for each call.
+- W8A8: with AVX-512 VNNI, one C call (kernels/cpu_int8.py) quantizes the activations, multiplies
+  u8 x s8 into int32 (vpdpbusd) on a weight repacked once at load, and scales; the same numbers as
+  the torch path below, which runs on a CPU without VNNI: the activations quantized by torch ops,
+  then `torch._int_mm` on the int8 weight's transposed view, int32 accumulate, then both scales.
+CUDA (untested here: no GPU on the dev box): W8A8 through the torch path's `_int_mm`; W8A16 widens
+the weight to the activation dtype for each call.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase, QuantizationConfig, new_param
+from kernels import cpu_int8
 
 STRATEGIES = ("channel", "tensor")
 # Rows up to which `_weight_int8pack_mm` beats widening the weight (loadtest.cpu_quant_bench).
@@ -136,12 +140,15 @@ class Int8WeightOnlyLinearMethod(LinearMethodBase):
         layer.register_parameter("weight_scale", scale)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self._scale_per_output(layer)
+        _add_cpu_scale(layer)
+
+    def _scale_per_output(self, layer: nn.Module) -> None:
         scale = layer.weight_scale.data.float()
         if self.strategy == "tensor":  # each part's scalar over its rows
             sizes = torch.tensor(_part_sizes(layer), device=scale.device)
             scale = scale.repeat_interleave(sizes)
         _replace(layer, "weight_scale", scale.reshape(-1).contiguous())
-        _add_cpu_scale(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scale = layer.weight_scale_bf16 if x.device.type == "cpu" else layer.weight_scale
@@ -165,20 +172,49 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
                                                               per_shard=True))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        super().process_weights_after_loading(layer)
+        self._scale_per_output(layer)  # fp32 on both paths: no bf16 copy, unlike W8A16
         if self.static_input_scale:
             # One scale for the fused input: the largest part's, so no part's range is clipped.
             _replace(layer, "input_scale", layer.input_scale.data.float().amax().reshape(1))
+        self.matmul = self.choose_matmul(layer)
+
+    def choose_matmul(self, layer: nn.Module):
+        """Once, at load: the VNNI kernel where it runs (the weight repacked for it); CUDA, and a
+        CPU without AVX-512 VNNI (or without a C compiler), keep the torch ops and `_int_mm`."""
+        if layer.weight.device.type == "cpu" and cpu_int8.available():
+            _repack_for_vnni(layer)
+            return _vnni_matmul
+        return _torch_w8a8
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.static_input_scale:
-            qx, x_scale = quantize_static(x2, layer.input_scale), layer.input_scale
-        else:
-            qx, x_scale = quantize_per_token(x2)
-        y = w8a8_matmul(qx, x_scale, layer.weight, layer.weight_scale, x.dtype)
+        input_scale = layer.input_scale if self.static_input_scale else None
+        y = self.matmul(layer, x.reshape(-1, x.shape[-1]), input_scale)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+
+def _torch_w8a8(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    if input_scale is not None:
+        qx, x_scale = quantize_static(x, input_scale), input_scale
+    else:
+        qx, x_scale = quantize_per_token(x)
+    return w8a8_matmul(qx, x_scale, layer.weight, layer.weight_scale, x.dtype)
+
+
+def _vnni_matmul(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    return cpu_int8.int8_linear_cpu(x, layer.vnni, input_scale)
+
+
+def _repack_for_vnni(layer: nn.Module) -> None:
+    """`weight` [out, in] int8 -> `weight_packed` in the VNNI kernel's layout (the same bytes, padded
+    to 16 outputs and 4 inputs) and `weight_comp`, its +128 offset's correction; `layer.vnni` views
+    them and `weight_scale` for the kernel's calls."""
+    w = cpu_int8.pack_int8_vnni(layer.weight.data, layer.weight_scale.data)
+    del layer.weight  # the [out, in] copy goes; the packed one holds the same bytes
+    _replace(layer, "weight_packed", w.packed)
+    layer.register_buffer("weight_comp", w.comp)
+    layer.vnni = cpu_int8.CpuInt8Weights(layer.weight_packed.data, layer.weight_comp, layer.weight_scale.data,
+                                         w.in_features)
 
 
 class Int8OnlineLinearMethod(Int8WeightOnlyLinearMethod):

@@ -1,0 +1,209 @@
+/* INT8 W8A8 linear on CPU with AVX-512 VNNI: y = (qx * x_scale) @ (w * w_scale)^T, the
+ * activations quantized to int8 inside the call. Built and loaded like cpu_ops.c
+ * (kernels/cpu_build.py); the wrapper, the repacking into this layout and the checks are in
+ * kernels/cpu_int8.py. Built for a CPU without AVX-512 VNNI this file holds only
+ * rayllm_int8_vnni_available(), which says 0, and the engine keeps its torch path.
+ *
+ * Activations: x [M, K] fp32 or bf16, rows x_stride apart. Each row is quantized as torch does
+ * it (engine/layers/quantization/int8.py's quantize_per_token): scale = max(absmax / 127, 1e-10),
+ * q = round_half_even(x / scale) clamped to +-127; or by one static scale for every row. The
+ * division is a true fp32 division, as torch's, so q is the same bytes.
+ *
+ * u8 x s8: vpdpbusd multiplies unsigned bytes by signed ones, so the kernel feeds it
+ * qx + 128 (1..255) and takes back 128 * sum_k w[n, k] per output:
+ *
+ *   sum_k (qx[k] + 128) * w[n, k] = sum_k qx[k] * w[n, k] + comp[n],   comp[n] = 128 * sum_k w[n, k]
+ *
+ * with comp computed once, at load. Every int32 sum is exact (K <= MAX_K: the wrapper checks).
+ *
+ * Weight layout, once at load: w [N, K] int8 padded with zeros to [Np, Kp] (Np a multiple of 16,
+ * Kp of 4), then
+ *
+ *   packed [Np / 16][Kp / 4][16][4] int8: block b of 16 outputs, inputs k..k+3 of output
+ *   b * 16 + l at bytes (k / 4) * 64 + l * 4 .. + 3
+ *
+ * so one 64-byte load is the 4 inputs of 16 outputs that one vpdpbusd takes against 4 inputs
+ * of one activation row broadcast to every lane; a block's bytes are one stream along K.
+ *
+ * Register tile: MR rows x NR blocks (64 outputs) of int32 accumulators over the whole K, then
+ *   y[m, n] = float(acc - comp[n]) * x_scale[m] * w_scale[n]     (in that order, as torch's
+ *   `acc.float() * x_scale * w_scale`), stored in x's dtype (bf16: round to nearest even),
+ * or acc - comp itself as int32. Threads split (chunk of MC rows) x (panel of NR blocks).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#include <immintrin.h>
+#else
+#define HAVE_VNNI 0
+#endif
+
+enum { OUT_F32 = DT_F32, OUT_BF16 = DT_BF16, OUT_I32 = 3 }; /* shared with kernels/cpu_int8.py */
+enum { OK = 0, ERR_NO_VNNI = 1, ERR_NOMEM = 2, ERR_DTYPE = 3 };
+
+int rayllm_int8_vnni_available(void) { return HAVE_VNNI; }
+
+#if HAVE_VNNI
+#define LANES 16    /* outputs per weight vector: int32 lanes */
+#define MR 4        /* activation rows per register tile */
+#define NR 4        /* blocks of LANES outputs per register tile: MR * NR accumulators + NR weights */
+#define MC 256      /* activation rows per task: MC * Kp bytes stay in L2 across a thread's panels */
+#define PARALLEL_MIN_MACS 65536 /* below this many multiply-adds a call runs on the calling thread */
+
+typedef struct {
+    const uint8_t *xq;     /* [M, Kp] qx + 128 */
+    const float *x_scale;  /* [M] */
+    const int8_t *packed;  /* [Np / 16][Kp / 4][16][4] */
+    const int32_t *comp;   /* [N] */
+    const float *w_scale;  /* [N] */
+    void *y;               /* [M, N], type out_dt */
+    int64_t M, N, Kp, out_dt;
+} Gemm;
+
+INLINE __mmask16 tail_mask(int64_t n) { return n >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* 16 elements of x (fp32 or bf16) from p on, the lanes past `mask` zero. */
+INLINE __m512 load_x(const void *p, __mmask16 mask, int dt) {
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(mask, p);
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); /* a bf16 is the top half of a float */
+}
+
+/* xq[0:Kp] = the row quantized, plus 128; inputs K..Kp get 128 (q = 0). Returns the row's scale:
+ * `*static_scale`, or the row's absmax / 127 (at least 1e-10) when static_scale is NULL. */
+INLINE float quantize_row(const void *x, int64_t K, int64_t Kp, const float *static_scale, uint8_t *xq,
+                          const int dt) {
+    const int64_t esize = dt == DT_F32 ? 4 : 2;
+    float scale;
+    if (static_scale) {
+        scale = *static_scale;
+    } else {
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += LANES)
+            m = _mm512_max_ps(m, _mm512_abs_ps(load_x((const char *)x + k * esize, tail_mask(K - k), dt)));
+        scale = _mm512_reduce_max_ps(m) / 127.0f;
+        scale = scale < 1e-10f ? 1e-10f : scale; /* torch's clamp_(min=1e-10): an all-zero row */
+    }
+    const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i offset = _mm512_set1_epi32(128);
+    for (int64_t k = 0; k < K; k += LANES) {
+        const __mmask16 mask = tail_mask(K - k);
+        __m512 v = _mm512_div_ps(load_x((const char *)x + k * esize, mask, dt), vs);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* clamped first: cvtps2dq of a huge float is INT_MIN */
+        const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), offset); /* rounds half to even (MXCSR) */
+        _mm512_mask_cvtepi32_storeu_epi8(xq + k, mask, q);
+    }
+    memset(xq + K, 128, (size_t)(Kp - K));
+    return scale;
+}
+
+static float quantize_row_any(const void *x, int64_t K, int64_t Kp, const float *static_scale, uint8_t *xq,
+                              int64_t dt) {
+    return dt == DT_F32 ? quantize_row(x, K, Kp, static_scale, xq, DT_F32)
+                        : quantize_row(x, K, Kp, static_scale, xq, DT_BF16);
+}
+
+/* Output block (m, n..n+16) from its accumulator: acc - comp, scaled and stored in g->out_dt. */
+INLINE void store_block(const Gemm *g, __m512i acc, int64_t m, int64_t n) {
+    const __mmask16 mask = tail_mask(g->N - n);
+    const __m512i v = _mm512_sub_epi32(acc, _mm512_maskz_loadu_epi32(mask, g->comp + n));
+    if (g->out_dt == OUT_I32) {
+        _mm512_mask_storeu_epi32((int32_t *)g->y + m * g->N + n, mask, v);
+        return;
+    }
+    const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(g->x_scale[m])),
+                                   _mm512_maskz_loadu_ps(mask, g->w_scale + n));
+    if (g->out_dt == OUT_F32) {
+        _mm512_mask_storeu_ps((float *)g->y + m * g->N + n, mask, f);
+    } else { /* bf16 bits, rounded as torch's .to(bfloat16) (cpu_simd.h) */
+        vec fv;
+        memcpy(&fv, &f, sizeof fv);
+        const u32vec r = bf16_round_bits(fv) >> 16;
+        __m512i ri;
+        memcpy(&ri, &r, sizeof ri);
+        _mm256_mask_storeu_epi16((uint16_t *)g->y + m * g->N + n, mask, _mm512_cvtepi32_epi16(ri));
+    }
+}
+
+/* The rows m0..m0+rows against the blocks b0..b0+cols over all of Kp, then stored: rows and
+ * cols are constants once inlined, so the MR x NR accumulators live in registers. */
+INLINE void tile(const Gemm *g, int64_t m0, int64_t b0, const int rows, const int cols) {
+    const int64_t Kp = g->Kp, block_bytes = Kp * LANES;
+    const uint8_t *xr = g->xq + m0 * Kp;
+    const int8_t *wb = g->packed + b0 * block_bytes;
+    __m512i acc[MR][NR];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < Kp; k += 4) {
+        __m512i w[NR];
+        for (int j = 0; j < cols; j++) w[j] = _mm512_loadu_si512(wb + j * block_bytes + k * LANES);
+        for (int i = 0; i < rows; i++) {
+            int32_t four;
+            memcpy(&four, xr + i * Kp + k, 4);
+            const __m512i a = _mm512_set1_epi32(four);
+            for (int j = 0; j < cols; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, w[j]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) store_block(g, acc[i][j], m0 + i, (b0 + j) * LANES);
+}
+
+#define TILE_CASE(R, C) case (R) * 8 + (C): tile(g, m0, b0, R, C); break;
+#define TILE_ROW(R) TILE_CASE(R, 1) TILE_CASE(R, 2) TILE_CASE(R, 3) TILE_CASE(R, 4)
+
+/* tile() with rows (<= MR) and cols (<= NR) made constants. */
+static void tile_any(const Gemm *g, int64_t m0, int64_t b0, int rows, int cols) {
+    switch (rows * 8 + cols) {
+        TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4)
+    }
+}
+
+/* Rows [m0, m1) against the panel of blocks from b0: a thread's task. */
+static void task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0) {
+    const int64_t num_blocks = (g->N + LANES - 1) / LANES;
+    const int cols = num_blocks - b0 < NR ? (int)(num_blocks - b0) : NR;
+    for (int64_t m = m0; m < m1; m += MR) tile_any(g, m, b0, m1 - m < MR ? (int)(m1 - m) : MR, cols);
+}
+
+/* y [M, N] (type out_dt, contiguous) from x [M, K] (type x_dt, rows x_stride elements apart).
+ * static_scale: one input scale, or NULL for per-token scales; x_scale_out: [M], the scales
+ * used (for the int32 output's caller). Returns OK, or ERR_NOMEM / ERR_DTYPE (y untouched). */
+int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
+                          const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
+                          void *y, int64_t out_dt, float *x_scale_out) {
+    if ((x_dt != DT_F32 && x_dt != DT_BF16) || (out_dt != OUT_F32 && out_dt != OUT_BF16 && out_dt != OUT_I32))
+        return ERR_DTYPE;
+    const int64_t Kp = (K + 3) / 4 * 4, esize = x_dt == DT_F32 ? 4 : 2;
+    uint8_t *xq = aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
+    if (!xq) return ERR_NOMEM;
+    const Gemm g = {xq, x_scale_out, packed, comp, w_scale, y, M, N, Kp, out_dt};
+    const int64_t num_panels = ((N + LANES - 1) / LANES + NR - 1) / NR, num_chunks = (M + MC - 1) / MC;
+#pragma omp parallel if (M * N * K >= PARALLEL_MIN_MACS)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            x_scale_out[m] = quantize_row_any((const char *)x + m * x_stride * esize, K, Kp, static_scale,
+                                              xq + m * Kp, x_dt);
+        /* the implicit barrier: every row is quantized before any tile reads it */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t c = 0; c < num_chunks; c++)
+            for (int64_t p = 0; p < num_panels; p++)
+                task(&g, c * MC, (c + 1) * MC < M ? (c + 1) * MC : M, p * NR);
+    }
+    free(xq);
+    return OK;
+}
+#else
+int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
+                          const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
+                          void *y, int64_t out_dt, float *x_scale_out) {
+    (void)x, (void)M, (void)x_stride, (void)x_dt, (void)static_scale, (void)packed, (void)comp, (void)w_scale;
+    (void)K, (void)N, (void)y, (void)out_dt, (void)x_scale_out;
+    return ERR_NO_VNNI;
+}
+#endif
