@@ -40,7 +40,8 @@ from engine.layers.quantization import UnquantizedLinearMethod, quantized_build
 from engine.layers.quantization.awq import AWQ_ORDER, AWQConfig
 from engine.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8LinearMethod, Fp8Scheme
 from engine.layers.quantization.gguf import GGUFBlocks, GGUFConfig
-from engine.layers.quantization.int8 import Int8Config, Int8W8A8LinearMethod, _torch_w8a8, quantize_per_channel
+from engine.layers.quantization.int8 import (Int8Config, Int8W8A8LinearMethod, quantize_per_channel,
+                                             w8a8_linear_torch)
 from kernels import cpu_fp8, cpu_gguf, cpu_int4, cpu_int8
 from kernels.torch_gguf import BLOCK_LAYOUTS, Q4_K, Q8_0, dequantize
 from loadtest.cpu_gguf_bench import random_blocks
@@ -126,7 +127,7 @@ class TorchInt8W8A8(Int8W8A8LinearMethod):
     would run: that kernel's baseline."""
 
     def choose_matmul(self, layer: nn.Module):
-        return _torch_w8a8
+        return w8a8_linear_torch
 
 
 def _int8_w8a8(method: type[Int8W8A8LinearMethod]):

@@ -172,7 +172,7 @@ def test_w8a8_method_against_torch(strategy, static, rows, vnni, monkeypatch):
     for t in parts.values():
         t["bias"] = torch.zeros(t["weight"].shape[0])
     layer = _qkv_layer(Int8W8A8LinearMethod(strategy, static_input_scale=static), parts)
-    assert layer.quant_method.matmul is (int8._vnni_matmul if vnni else int8._torch_w8a8)
+    assert layer.quant_method.matmul is (int8.w8a8_linear_vnni if vnni else int8.w8a8_linear_torch)
     weight = torch.cat([t["dense"] for t in parts.values()]).double()
     x = torch.randn(rows, HIDDEN, generator=gen)
     if static:  # the fused layer quantizes its input once, by the largest part's scale
@@ -245,14 +245,14 @@ def test_w8a8_checkpoint_vnni_equals_the_torch_path(w8a8_checkpoints, monkeypatc
     _use_vnni(monkeypatch, True)
     logits, _, model = _w8a8_run(w8a8_checkpoints[0])
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert all(m.quant_method.matmul is int8._vnni_matmul and not hasattr(m, "weight") for m in linears)
+    assert all(m.quant_method.matmul is int8.w8a8_linear_vnni and not hasattr(m, "weight") for m in linears)
     packed = sum(m.output_size * m.input_size for m in linears)
     per_output = 8 * sum(m.output_size for m in linears)
     resident = sum(t.numel() * t.element_size() for m in linears for t in [*m.parameters(), *m.buffers()])
     assert packed + per_output <= resident <= 1.1 * packed + per_output, (resident, packed, per_output)
     _use_vnni(monkeypatch, False)
     torch_logits, _, torch_model = _w8a8_run(w8a8_checkpoints[0])
-    assert torch_model.model.layers[0].mlp.down_proj.quant_method.matmul is int8._torch_w8a8
+    assert torch_model.model.layers[0].mlp.down_proj.quant_method.matmul is int8.w8a8_linear_torch
     torch.testing.assert_close(logits, torch_logits, atol=0, rtol=0)
 
 
@@ -281,7 +281,7 @@ def test_w8a8_engine_greedy_vnni_equals_the_torch_path(w8a8_checkpoints, dtype, 
         _use_vnni(monkeypatch, vnni)
         llm = LLM(w8a8_checkpoints[0], dtype=dtype, device="cpu")
         qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        assert qkv.quant_method.matmul is (int8._vnni_matmul if vnni else int8._torch_w8a8)
+        assert qkv.quant_method.matmul is (int8.w8a8_linear_vnni if vnni else int8.w8a8_linear_torch)
         prompts = _prompts(llm.llm_engine.model_config.vocab_size, (1, 3, 130, 333))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in outs])

@@ -183,8 +183,8 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
         CPU without AVX-512 VNNI (or without a C compiler), keep the torch ops and `_int_mm`."""
         if layer.weight.device.type == "cpu" and cpu_int8.available():
             _repack_for_vnni(layer)
-            return _vnni_matmul
-        return _torch_w8a8
+            return w8a8_linear_vnni
+        return w8a8_linear_torch
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.static_input_scale else None
@@ -193,7 +193,8 @@ class Int8W8A8LinearMethod(Int8WeightOnlyLinearMethod):
         return y if bias is None else y + bias
 
 
-def _torch_w8a8(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+def w8a8_linear_torch(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] -> [n, out] in x's dtype: x quantized by torch ops, then `w8a8_matmul`."""
     if input_scale is not None:
         qx, x_scale = quantize_static(x, input_scale), input_scale
     else:
@@ -201,7 +202,8 @@ def _torch_w8a8(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | N
     return w8a8_matmul(qx, x_scale, layer.weight, layer.weight_scale, x.dtype)
 
 
-def _vnni_matmul(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+def w8a8_linear_vnni(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """The same in one C call, on the weight `_repack_for_vnni` left."""
     return cpu_int8.int8_linear_cpu(x, layer.vnni, input_scale)
 
 
