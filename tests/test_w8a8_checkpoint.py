@@ -43,18 +43,19 @@ def test_a_sharded_checkpoint_keeps_its_index(tmp_path):
             assert out[name[: -len("_scale")]] == file
 
 
+def _checkpoint(path, tensors):
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
 def test_refuses_what_it_cannot_write(tmp_path):
     with pytest.raises(ValueError, match=f"src='{tmp_path}' is not a Hugging Face checkpoint directory"):
         write_w8a8_checkpoint(tmp_path, tmp_path / "out")
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    (moe / "config.json").write_text("{}")
-    save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(4, 4)}, str(moe / "model.safetensors"))
+    moe = _checkpoint(tmp_path / "moe", {"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(4, 4)})
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.0.gate_proj.weight: mixture-of-experts"):
         write_w8a8_checkpoint(moe, tmp_path / "out")
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    (plain / "config.json").write_text("{}")
-    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(plain / "model.safetensors"))
+    plain = _checkpoint(tmp_path / "plain", {"model.embed_tokens.weight": torch.zeros(4, 4)})
     with pytest.raises(ValueError, match=r"has no `\*_proj.weight` tensors"):
         write_w8a8_checkpoint(plain, tmp_path / "out")
