@@ -2,7 +2,9 @@
 pool follows the target's sequences (chunked catch-up, preemption) and is all free at the end;
 sampled requests get drafts sampled from the draft's q, which keep the target's distribution, are
 all accepted when the draft is the target, and keep a seeded request reproducible."""
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -150,3 +152,20 @@ def test_tp2_target_with_a_whole_draft_on_rank_0(tiny_llama, other_llama, draft)
         accepted, rejected = _draft_counts(llm)
         assert (accepted if draft == "itself" else rejected) >= 30, (accepted, rejected)
         llm.llm_engine.spec_decoder.proposer.block_manager.check_no_leak()
+
+
+def test_the_draft_holds_back_the_eos_ids_the_target_does(tiny_llama, tmp_path):
+    """min_tokens keeps the engine's EOS ids out of p, the tokenizer's included when the model
+    config names another; q must hold back the same ids, or a draft of the tokenizer's EOS is
+    sampled where the target never can (lower acceptance)."""
+    model = tmp_path / "other-eos"
+    shutil.copytree(tiny_llama, model)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((model / name).read_text())
+        config["eos_token_id"] = 5
+        (model / name).write_text(json.dumps(config))
+    llm = _draft_llm(str(model), str(model))
+    engine_eos = llm.llm_engine.eos_token_ids
+    assert len(engine_eos) == 2 and 5 in engine_eos  # the config's and the tokenizer's
+    assert llm.llm_engine.spec_decoder.proposer.sampler.sampler.eos_token_ids == engine_eos
+    llm.shutdown()

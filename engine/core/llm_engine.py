@@ -67,7 +67,8 @@ class LLMEngine:
         self.num_generated_tokens = 0  # lifetime counter, for metrics
         self.stats_log = StatsLog()  # per-step and per-request observations; off until enabled
         # Speculative decoding's drafts and counters (a no-op without speculative_config).
-        self.spec_decoder = make_spec_decoder(config, self.model_config, self.executor.num_kv_blocks)
+        self.spec_decoder = make_spec_decoder(config, self.model_config, self.executor.num_kv_blocks,
+                                              self.eos_token_ids)
         logger.info("engine ready: %s, %d KV blocks of %d tokens", self.model_config.architecture,
                     self.executor.num_kv_blocks, config.block_size)
 

@@ -16,9 +16,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.spec_decode.spec_decoder import NoSpecDecoder, SpecDecoder
 
 
-def make_spec_decoder(config: EngineConfig, model_config: ModelConfig,
-                      num_kv_blocks: int) -> SpecDecoder | NoSpecDecoder:
-    """The engine's spec decoder for a resolved config (the target's model and KV block count)."""
+def make_spec_decoder(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int,
+                      eos_token_ids: list[int]) -> SpecDecoder | NoSpecDecoder:
+    """The engine's spec decoder for a resolved config (the target's model, KV block count, and the
+    EOS ids its sampler holds back for min_tokens: the model config's and the tokenizer's)."""
     spec = config.speculative_config
     if spec is None:
         return NoSpecDecoder()
@@ -29,5 +30,5 @@ def make_spec_decoder(config: EngineConfig, model_config: ModelConfig,
     else:
         from engine.spec_decode.draft_model_proposer import DraftModelProposer  # torch
 
-        proposer = DraftModelProposer(config, spec, model_config, num_kv_blocks)
+        proposer = DraftModelProposer(config, spec, model_config, num_kv_blocks, eos_token_ids)
     return SpecDecoder(proposer, spec.num_speculative_tokens)

@@ -46,7 +46,8 @@ _GREEDY = SamplingParams(temperature=0, max_tokens=None)
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: ModelConfig, num_kv_blocks: int):
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: ModelConfig, num_kv_blocks: int,
+                 eos_token_ids: list[int]):
         from engine.worker.model_runner import ModelRunner  # torch: only with a draft model
 
         path = resolve_model_path(spec.model)
@@ -60,7 +61,8 @@ class DraftModelProposer:
         ).resolve(draft)
         with unsharded():  # whole on rank 0, beside a target sharded over tensor_parallel_size ranks
             self.runner = ModelRunner(draft_config, draft, path, eos_token_ids=[])
-        self.sampler = DraftSampler(target.eos_token_ids, config.seed, self.runner.device)
+        # The target sampler's EOS ids (the tokenizer's too), so min_tokens holds back in q what it does in p.
+        self.sampler = DraftSampler(eos_token_ids, config.seed, self.runner.device)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, enable_prefix_caching=True)
         self.k = spec.num_speculative_tokens
         self.max_num_batched_tokens = config.max_num_batched_tokens
