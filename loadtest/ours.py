@@ -24,8 +24,12 @@ def engine_generate(llm, requests: list[BenchRequest]) -> list[list[int]]:
 
 def timed_engine_run(llm, requests: list[BenchRequest],
                      warmup: list[BenchRequest]) -> tuple[Stopwatch, list[list[int]]]:
-    """One `generate` over every request, timed, after an untimed warm-up `generate`."""
+    """One `generate` over every request, timed, after an untimed warm-up `generate` and with the
+    prefix cache emptied: a round after the first would otherwise find every prompt cached from
+    the one before and time decoding alone."""
     engine_generate(llm, warmup)
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the engine still has requests: its prefix cache cannot be emptied")
     _sync_cuda()
     with Stopwatch() as watch:
         token_ids = engine_generate(llm, requests)

@@ -424,3 +424,17 @@ def test_prefix_cache_keys_blocks_by_lora_adapter():
     for s in (base, a, b, a2):
         bm.free(s)
     bm.check_no_leak()
+
+
+def test_reset_prefix_cache_forgets_every_prefix_once_no_block_is_in_use():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(10))
+    admit(bm, a)
+    compute(bm, a)
+    assert not bm.reset_prefix_cache() and len(bm.cached_block_ids) == 2  # a still holds its blocks
+    bm.free(a)
+    assert bm.reset_prefix_cache()
+    assert bm.cached_block_ids == {} and list(bm.free_block_ids) == list(range(8))  # id order again
+    b = make_seq(range(10))
+    assert admit(bm, b) == 0 and b.block_table == [0, 1, 2]  # the same prompt computes all of it
+    bm.check_invariants([b])

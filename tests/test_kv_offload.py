@@ -184,3 +184,19 @@ def test_preemption_swaps_instead_of_recomputing_with_the_same_tokens(engines):
 def test_kv_offload_refusals(tiny_llama):
     with pytest.raises(ValueError, match=r"kv_offload_gb=1e-06 holds no KV block \(8192 bytes per block"):
         LLM(tiny_llama, dtype="float32", device="cpu", num_kv_blocks=8, kv_offload_gb=1e-6)
+
+
+def test_reset_prefix_cache_empties_the_host_tier_too():
+    bm = OffloadingBlockManager(num_blocks=4, block_size=BS, num_host_blocks=4)
+    a = _seq(range(9))
+    _run_prefill(bm, a)
+    bm.free(a)
+    b = _seq(range(100, 112))
+    _run_prefill(bm, b)  # a's second block to the host
+    assert len(bm.host.cached) == 1 and not bm.reset_prefix_cache()  # b holds blocks, a copy is planned
+    bm.take_swaps()
+    bm.free(b)
+    assert bm.reset_prefix_cache()
+    assert not bm.host.cached and len(bm.host.free_ids) == 4 and bm.get_computed_blocks(_seq(range(9))) == 0
+    bm.host.check_invariants()
+    bm.check_no_leak()

@@ -195,6 +195,24 @@ def test_prompt_logprobs_survive_preemption(tiny_llama):
     engine.block_manager.check_no_leak()
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_compute_again(tiny_llama):
+    """vLLM's LLM.reset_prefix_cache: refused while a request is unfinished, then the same prompt
+    finds nothing cached and gives the same tokens."""
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", enable_prefix_caching=True)
+    prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[50])[0]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = _run(llm, [prompt], params)[0]
+    assert _run(llm, [prompt], params)[0].num_cached_tokens == 48
+    llm.llm_engine.add_request("busy", {"prompt_token_ids": prompt}, params)
+    assert not llm.reset_prefix_cache()  # a request is unfinished: nothing forgotten
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert llm.reset_prefix_cache()
+    again = _run(llm, [prompt], params)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.llm_engine.block_manager.check_no_leak()
+
+
 def test_prompt_logprobs_bypass_prefix_cache(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", device="cpu", enable_prefix_caching=True)
     prompt = _prompts(llm.llm_engine.model_config.vocab_size, lens=[50])[0]

@@ -288,6 +288,18 @@ class BlockManager:
         engine/core/kv_offload.py)."""
         return [], []
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`): the free blocks lose their hashes
+        and go back to id order. False, and nothing changes, while any block is in use."""
+        if any(self.ref_counts):
+            return False
+        first_id = self.num_block_ids - self.num_blocks
+        self.cached_block_ids.clear()
+        self.block_hashes = [None] * self.num_block_ids
+        self.free_block_ids = OrderedDict.fromkeys(range(first_id, self.num_block_ids))
+        self._num_registered_blocks.clear()
+        return True
+
     # -- internals -----------------------------------------------------------
     def _is_cached(self, block_hash: int) -> bool:
         """Whether a prefix-cache hit on `block_hash` can be taken (in this pool; a tier adds its own)."""

@@ -169,6 +169,12 @@ class HybridBlockManager:
             p.share_prefix(src_seq, dst_seq, num_tokens)
         return num_tokens
 
+    def reset_prefix_cache(self) -> bool:
+        """Every pool's (none while any pool has a block in use)."""
+        if any(any(p.ref_counts) for p in self.pools):
+            return False
+        return all([p.reset_prefix_cache() for p in self.pools])
+
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         return [], []  # no host tier with a sliding pool (EngineConfig refuses it)
 

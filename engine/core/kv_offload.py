@@ -48,6 +48,16 @@ class HostBlockPool:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.cached
 
+    def has_plan(self) -> bool:
+        """Copies planned for the next step and not yet taken."""
+        return bool(self._swap_out or self._swap_in)
+
+    def clear(self) -> None:
+        """Every host block free, no prefix kept (the lifetime counters stay)."""
+        self.cached.clear()
+        self.free_ids = list(range(self.num_blocks - 1, -1, -1))
+        self._busy.clear()
+
     def store(self, device_block: int, block_hash: int) -> None:
         """Plan the copy of an evicted device block; a hash already here is only touched."""
         if block_hash in self.cached:
@@ -103,6 +113,13 @@ class OffloadingBlockManager(BlockManager):
         super().__init__(num_blocks, block_size, enable_prefix_caching=True, group=group)
         self.host = HostBlockPool(num_host_blocks)
         self.num_host_hit_tokens = 0  # of num_hit_tokens, those copied back from the host (lifetime)
+
+    def reset_prefix_cache(self) -> bool:
+        """The device pool's reset, and the host tier's prefixes forgotten with it."""
+        if self.host.has_plan() or not super().reset_prefix_cache():
+            return False
+        self.host.clear()
+        return True
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         return self.host.take_plan()

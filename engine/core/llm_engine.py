@@ -137,6 +137,12 @@ class LLMEngine:
         # but its tokens must be collected before the engine goes idle.
         return bool(self.requests) or self._inflight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, the host tier's too (vLLM's `reset_prefix_cache`), so the next
+        request computes its whole prompt. False, and nothing changes, while a request is unfinished.
+        (A draft model's own pool keeps its prefixes: they change no token and no counter.)"""
+        return not self.has_unfinished_requests() and self.block_manager.reset_prefix_cache()
+
     # -- stepping ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
