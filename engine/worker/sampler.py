@@ -37,11 +37,14 @@ class Sampler:
     """
 
     def __init__(self, eos_token_ids: list[int] | int | None = None, seed: int = 0,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, stream_salt: int = 0):
+        """stream_salt: mixed into every generator's seed, so that a second sampler over the same
+        requests (a draft model's) draws streams of its own, seeded requests' included."""
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids: list[int] = list(eos_token_ids or [])
         self.seed = seed
+        self.stream_salt = stream_salt
         self._generator: torch.Generator | None = None  # unseeded rows; lives on the logits' device
         self._seq_generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
         self.token_controls = TokenControls()  # logit_bias and allowed_token_ids tensors per sequence
@@ -123,7 +126,12 @@ class Sampler:
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)
-        probs = self.sampling_probs(logits, params, greedy)
+        return self.draw(self.sampling_probs(logits, params, greedy), logits, seqs, greedy)
+
+    def draw(self, probs: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence],
+             greedy: list[bool]) -> torch.Tensor:
+        """[num_seqs] token ids: the argmax of `logits` for greedy rows, the exponential race over
+        `probs` ([num_seqs, vocab], overwritten) for the others."""
         sampled = self._exponential_race(probs, seqs, greedy)
         if any(greedy):
             is_greedy = to_device([float(g) for g in greedy], torch.float32, logits.device)
@@ -176,7 +184,7 @@ class Sampler:
     def engine_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed & _U64)
+            self._generator.manual_seed((self.seed ^ self.stream_salt) & _U64)
         return self._generator
 
     def seq_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
@@ -184,7 +192,7 @@ class Sampler:
         if gen is None:
             # + index: the n completions of one seeded request differ, yet each is reproducible.
             gen = torch.Generator(device=device)
-            gen.manual_seed((seq.sampling_params.seed + seq.index) & _U64)
+            gen.manual_seed(((seq.sampling_params.seed + seq.index) ^ self.stream_salt) & _U64)
             self._seq_generators[seq.seq_id] = gen
         return gen
 
