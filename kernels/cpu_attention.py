@@ -24,6 +24,7 @@ import torch
 
 from kernels._validate import check_paged_attention
 from kernels.cpu_build import load_kernel_library
+from kernels.cpu_dtypes import DT_CODES
 from kernels import cpu_ops
 from kernels._validate import check_store_kv
 from kernels.torch_attention import (ScoreOptions, paged_attention_torch, prefill_cached,
@@ -34,8 +35,6 @@ _LIB_NAME = "cpu_paged_attention"
 # the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench` times both either side
 # of this limit (docs/benchmarks.md, "CPU kernels", which also says where the limit stands).
 KERNEL_MAX_Q_LEN = 32
-# The kernel's element types: torch dtype -> DT_* code of kernels/cpu_simd.h.
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Return codes of rayllm_paged_attention (cpu_paged_attention.c).
 _ERRORS = {
     1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
@@ -88,14 +87,14 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
     """Call the C kernel for the sequences with at most max_q_len query rows (and, with
     skip_fresh, a cached prefix or a single row).
 
-    Every tensor on CPU with a unit last stride; query, caches and out one of KERNEL_DTYPES,
+    Every tensor on CPU with a unit last stride; query, caches and out one of DT_CODES,
     the index tensors int32. query, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
     contiguous; block_tables [num_seqs, max_blocks]; rows of longer chunks are not written.
     """
     dtypes = {t.dtype for t in (query, k_cache, v_cache, out)}
-    if len(dtypes) != 1 or query.dtype not in KERNEL_DTYPES:  # else the kernel misreads memory
+    if len(dtypes) != 1 or query.dtype not in DT_CODES:  # else the kernel misreads memory
         raise ValueError(f"cpu paged attention: query, caches and out must share one of "
-                         f"{list(KERNEL_DTYPES)}, got {sorted(map(str, dtypes))}")
+                         f"{list(DT_CODES)}, got {sorted(map(str, dtypes))}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     sinks = None if opts.sinks is None else opts.sinks.to(torch.float32).contiguous()  # [num_heads]
     args = _Args(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
@@ -104,7 +103,7 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
                  query.shape[0], block_tables.shape[0], query.shape[1], num_kv_heads, head_dim,
                  block_size, num_blocks, block_tables.shape[1], scale, max_q_len, int(skip_fresh),
                  opts.sliding_window or 0, opts.logits_soft_cap or 0.0,
-                 None if sinks is None else sinks.data_ptr(), KERNEL_DTYPES[query.dtype])
+                 None if sinks is None else sinks.data_ptr(), DT_CODES[query.dtype])
     err = fn(ctypes.byref(args))
     if err == _ERR_NO_MEMORY:
         raise MemoryError("cpu paged attention: scratch allocation failed")
@@ -148,7 +147,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     sliding_window, logits_soft_cap, sinks: as kernels.reference.paged_attention_ref.
     """
     mods = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    fn = _kernel() if query.device.type == "cpu" and query.dtype in KERNEL_DTYPES else None
+    fn = _kernel() if query.device.type == "cpu" and query.dtype in DT_CODES else None
     if fn is None:
         return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                      max_seqlen_q, softmax_scale, out, seq_lens_cpu=seq_lens_cpu,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu_build import bind_signatures, load_kernel_library
+from kernels.cpu_dtypes import DT_CODES
 
 _LIB_NAME = "cpu_int8"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -34,8 +35,9 @@ LANES = 16  # outputs per packed block (cpu_int8.c)
 K_GROUP = 4  # inputs per lane per vpdpbusd
 # Largest K whose int32 sums cannot overflow: |sum (qx + 128) * w| <= K * 255 * 128 < 2^31.
 MAX_K = (2**31 - 1) // (255 * 128)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 3}  # cpu_simd.h's DT_*, OUT_I32
 X_DTYPES = (torch.float32, torch.bfloat16)
+# Input and output types: cpu_simd.h's DT_* codes, and cpu_int8.c's OUT_I32 for the int32 sums.
+_DTYPE_CODES = {**{t: DT_CODES[t] for t in X_DTYPES}, torch.int32: 3}
 _ERRORS = {1: "this CPU build has no AVX-512 VNNI", 2: "out of memory for the quantized activations",
            3: "a dtype the kernel does not take"}
 

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from kernels.cpu_build import bind_signatures, load_kernel_library
+from kernels.cpu_dtypes import DT_CODES
 
 _LIB_NAME = "cpu_ops"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -24,8 +25,6 @@ _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_ops.c
     "rayllm_rotary_neox_f32": ([_P, _I, _P, _P, _I, _I, _I], None),
     "rayllm_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
 }
-# torch dtype -> DT_* code of kernels/cpu_simd.h, for the ops that take more than fp32.
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +50,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     x is overwritten with norm(residual) * weight and returned (the caller drops x).
     """
     lib = _lib()
-    if (lib is None or x.dim() != 2 or x.dtype not in _DTYPES or not _on_cpu(x.dtype, x)
+    if (lib is None or x.dim() != 2 or x.dtype not in DT_CODES or not _on_cpu(x.dtype, x)
             or weight.dtype not in (x.dtype, torch.float32) or not _on_cpu(weight.dtype, weight)
             or not weight.is_contiguous()):
         return None
@@ -61,19 +60,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     n, h = x.shape
     out = x if residual is not None else torch.empty((n, h), dtype=x.dtype)
     lib.rayllm_add_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                            weight.data_ptr(), out.data_ptr(), out.stride(0), n, h, eps, _DTYPES[x.dtype],
-                            _DTYPES[weight.dtype])
+                            weight.data_ptr(), out.data_ptr(), out.stride(0), n, h, eps, DT_CODES[x.dtype],
+                            DT_CODES[weight.dtype])
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x [n, 2 * d] = [gate | up] (fp32, bf16 or fp16) -> silu(gate) * up, [n, d]."""
     lib = _lib()
-    if lib is None or x.dim() != 2 or x.shape[1] % 2 or x.dtype not in _DTYPES or not _on_cpu(x.dtype, x):
+    if lib is None or x.dim() != 2 or x.shape[1] % 2 or x.dtype not in DT_CODES or not _on_cpu(x.dtype, x):
         return None
     n, d = x.shape[0], x.shape[1] // 2
     out = torch.empty((n, d), dtype=x.dtype)
-    lib.rayllm_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), n, d, _DTYPES[x.dtype])
+    lib.rayllm_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), n, d, DT_CODES[x.dtype])
     return out
 
 
@@ -100,7 +99,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:
     fp16: the rows are copied as bytes). Arguments already validated
     (kernels._validate.check_store_kv). Returns False when the C op does not apply."""
     lib = _lib()
-    if (lib is None or key.dtype not in _DTYPES or not _on_cpu(key.dtype, key, value, k_cache, v_cache)
+    if (lib is None or key.dtype not in DT_CODES or not _on_cpu(key.dtype, key, value, k_cache, v_cache)
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
             or key.stride(1) != key.shape[2] or value.stride(1) != value.shape[2]):
         return False
