@@ -42,6 +42,8 @@ from loadtest.workload import make_offline_workload, num_useful_tokens
 RUNNER = Path(__file__).with_name("vllm_cpu_runner.py")
 MARKER = "VLLM_PEER "
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "w8a8")
+BINDS = ("auto", "all")  # vLLM's OpenMP binding: its default, or every core
 
 
 def vllm_env(python: str, bind: str) -> dict[str, str]:
@@ -123,16 +125,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM process, load included")
     ap.add_argument("--out", type=Path, default=Path("bench_out/vllm_cpu.json"))
     args = ap.parse_args(argv)
-    args.dtype, args.vllm_dtype, args.vllm_bind = (a.split(",") for a in (args.dtype, args.vllm_dtype, args.vllm_bind))
-    args.quantization = args.quantization.split(",")
-    if set(args.quantization) - {"none", "w8a8"}:
-        ap.error(f"--quantization={','.join(args.quantization)} is invalid: choose from none, w8a8")
-    if set(args.vllm_bind) - {"auto", "all"}:
-        ap.error(f"--vllm-bind={','.join(args.vllm_bind)} is invalid: choose from auto, all")
-    for flag, values in (("--dtype", args.dtype), ("--vllm-dtype", args.vllm_dtype)):
-        bad = [v for v in values if v not in DTYPES]
+    args.dtype, args.vllm_dtype, args.quantization, args.vllm_bind = (
+        a.split(",") for a in (args.dtype, args.vllm_dtype, args.quantization, args.vllm_bind))
+    for flag, values, allowed in (("--dtype", args.dtype, DTYPES), ("--vllm-dtype", args.vllm_dtype, DTYPES),
+                                  ("--quantization", args.quantization, QUANTIZATIONS),
+                                  ("--vllm-bind", args.vllm_bind, BINDS)):
+        bad = [v for v in values if v not in allowed]
         if bad:
-            ap.error(f"{flag} has unknown dtype(s) {bad}; choose from {', '.join(DTYPES)}")
+            ap.error(f"{flag} has unknown value(s) {bad}; choose from {', '.join(allowed)}")
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds} must be >= 1")
     if not Path(args.vllm_python).is_file():
