@@ -34,6 +34,9 @@
 #   bash loadtest/gpu_session.sh quant     # issue 34: the quantized-weight tests natively (Triton FP8 block,
 #                                          # int4 and GGUF GEMMs, _scaled_mm, _int_mm), then workload B's shape
 #                                          # (Llama-3.1-8B) bf16 vs online FP8 weights, decode tok/s and roofline
+#   bash loadtest/gpu_session.sh spec      # issue 36: speculation's CUDA tests (overlapped, graphs for plain
+#                                          # steps), then n-gram against none, Qwen3-0.6B shape, at 1 and 64
+#                                          # requests in flight, overlapped (the CUDA default) and not
 # The device image has torch, triton, transformers and pytest but no Ray, xgrammar or
 # jsonschema: `bash loadtest/gpu_wheels.sh` here packs them into .whl/site.tar.xz; carry it and
 # start the device command with `mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site &&
@@ -138,9 +141,18 @@ case "$stage" in
     [ -d /tmp/llama-8b ] || python3 -m engine.tools.tiny_model --out /tmp/llama-8b --preset llama-8b
     python3 -m loadtest.quant_bench --device cuda --model /tmp/llama-8b --num-seqs 64 --prompt-len 512 \
       --output-len 256 --quantizations none,fp8 --out "$out/quant_bench.json" 2>&1 | tee "$out/quant_bench.log" ;;
+  spec)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_spec_decode_overlap.py -k cuda \
+      2>&1 | tee "$out/spec_tests.log"
+    qwen3_model
+    for overlap in auto off; do
+      python3 -m loadtest.offline --speculative ngram --device cuda --dtype bfloat16 --model "$QWEN3" \
+        --concurrency 1,64 --num-requests 32 --async-scheduling $overlap --out "$out/offline_spec_$overlap.json" \
+        2>&1 | tee "$out/offline_spec_$overlap.log"
+    done ;;
   engine-tests)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -x tests/test_llm.py tests/test_llm_engine.py \
       tests/test_kernels_attention_split.py -k "cuda or gpu or triton" 2>&1 | tee "$out/engine_tests.log" ;;
-  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|lora|kv-offload|quant)"
+  *) echo "unknown stage $stage (tests|kernels|kernel-tests|kernel-sweep|A|B|smoke|overlap|guided|profile|overhead|serving|serving-ingress2|batch|engine-tests|model-tests|kv-fp8|lora|kv-offload|quant|spec)"
      exit 2 ;;
 esac

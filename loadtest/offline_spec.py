@@ -1,6 +1,7 @@
 """Speculative decoding, offline: the engine with drafts against the same engine without, one run.
 
     python -m loadtest.offline --speculative ngram [--concurrency 1,4,16] [--num-requests 16] [--rounds 3] [--quick]
+        [--device cpu|cuda] [--dtype float32] [--async-scheduling auto|on|off]
 
 Two workloads (loadtest.workload): `copy` (prompts that repeat a span, decoded greedily: text
 that repeats itself; a random-weight model copies nothing it reads, so its drafts come from the
@@ -105,13 +106,20 @@ def _acceptance(delta: dict[str, float]) -> dict:
 def build_engines(model_path: Path, args) -> dict:
     from engine import LLM
 
-    common = dict(model=str(model_path), dtype="float32", device="cpu", max_num_seqs=max(args.concurrency),
-                  seed=args.seed)
-    engines = {"baseline": LLM(**common), "spec": LLM(**common, speculative_config=speculative_config(args))}
+    engines = {name: LLM(**engine_kwargs(model_path, args, spec)) for name, spec in (("baseline", False), ("spec", True))}
     warmup = make_copy_workload(2, args.seed + 999, args.vocab_limit, (16, 32), (8, 8))
     for llm in engines.values():
         run_at_concurrency(llm, warmup, 0.0, 2, args.seed)
     return engines
+
+
+def engine_kwargs(model_path: Path, args: argparse.Namespace, spec: bool) -> dict:
+    """LLM's arguments for the baseline or the speculating engine: the same but speculative_config."""
+    kwargs = dict(model=str(model_path), dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency),
+                  seed=args.seed, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+    if spec:
+        kwargs["speculative_config"] = speculative_config(args)
+    return kwargs
 
 
 def speculative_config(args: argparse.Namespace) -> dict:
@@ -151,6 +159,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="timed runs of each engine per level, interleaved")
     ap.add_argument("--quick", action="store_true", help="a small workload for a smoke test")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", default="float32", help="both engines' dtype (auto: the engine's default)")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="both engines' overlapped scheduling (auto: the engine's default, on for CUDA)")
     ap.add_argument("--model", default=None, help="a checkpoint instead of the bench model")
     ap.add_argument("--model-dir", type=Path, default=Path("bench_out/model-bench"))
     ap.add_argument("--out", type=Path, default=Path("bench_out/offline_spec.json"))
@@ -189,7 +201,8 @@ def main(argv: list[str]) -> dict:
         for llm in engines.values():
             shutdown(llm)
     report = run_metadata(["python", "-m", "loadtest.offline", *argv])
-    report.update({"benchmark": "offline_spec_cpu", "speculative": args.speculative,
+    report.update({"benchmark": f"offline_spec_{args.device}", "speculative": args.speculative,
+                   "dtype": args.dtype, "async_scheduling": args.async_scheduling,
                    "num_speculative_tokens": args.num_speculative_tokens, "model": str(model_path),
                    "prompt_len_range": list(args.prompt_len), "output_len_range": list(args.output_len),
                    "results": rows})

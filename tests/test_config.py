@@ -121,11 +121,11 @@ def test_bad_speculative_config_names_the_field(spec, message):
         EngineConfig(model="m", speculative_config=spec)
 
 
-def test_speculation_runs_without_overlapped_scheduling(with_cuda):
+def test_speculation_keeps_overlapped_scheduling_on_cuda(with_cuda):
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    assert EngineConfig(model="m", speculative_config=spec).resolve(model_config()).async_scheduling is False
-    with pytest.raises(ValueError, match="async_scheduling=True is not supported with speculative_config"):
-        EngineConfig(model="m", speculative_config=spec, async_scheduling=True)
+    assert EngineConfig(model="m", speculative_config=spec).resolve(model_config()).async_scheduling is True
+    assert EngineConfig(model="m", speculative_config=spec, async_scheduling=False).resolve(
+        model_config()).async_scheduling is False
 
 
 def test_unsupported_architecture_is_refused_from_the_registry():

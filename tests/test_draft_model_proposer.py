@@ -28,6 +28,10 @@ def other_llama(tmp_path_factory):
     ("itself", {}),
     ("itself", {"max_num_batched_tokens": 48, "num_kv_blocks": 14}),  # chunked catch-up, preemption
     ("other", {}),
+    # Overlapped: accepted drafts wait for their step; rejected ones pause and those steps
+    # overlap, after which the draft catches up on the tokens it did not see.
+    ("itself", {"async_scheduling": True, "max_num_batched_tokens": 48, "num_kv_blocks": 14}),
+    ("other", {"async_scheduling": True}),
 ])
 def test_greedy_equals_hf_with_a_draft_model(tiny_llama, other_llama, draft, knobs):
     spec = {"method": "draft_model", "model": tiny_llama if draft == "itself" else other_llama,
@@ -43,6 +47,8 @@ def test_greedy_equals_hf_with_a_draft_model(tiny_llama, other_llama, draft, kno
         assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
     if "num_kv_blocks" in knobs:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+    if knobs.get("async_scheduling"):
+        assert llm.llm_engine.num_spec_waits > 0
     llm.llm_engine.spec_decoder.proposer.block_manager.check_no_leak()
 
 

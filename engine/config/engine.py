@@ -125,9 +125,6 @@ class EngineConfig:
             _check_reasoning_parser(self.reasoning_parser)
         _check_lora(self)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("async_scheduling=True is not supported with speculative_config (a step's "
-                             "proposals need the previous step's accepted tokens on the host)")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (TP workers replay host-side inputs)")
@@ -148,7 +145,7 @@ class EngineConfig:
                              f"{model_config.max_position_embeddings}")
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
-            async_scheduling = on_cuda and self.tensor_parallel_size == 1 and self.speculative_config is None
+            async_scheduling = on_cuda and self.tensor_parallel_size == 1
         if on_cuda and self.kv_cache_dtype != "auto":
             _check_fp8_kv_cache(self.kv_cache_dtype)
         kv_offload_gb = _resolve_kv_offload_gb(self.kv_offload_gb, on_cuda, self.enable_prefix_caching, model_config)

@@ -64,6 +64,7 @@ class LLMEngine:
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight = None  # the launched step whose tokens are not processed yet (a StepHandle)
         self.num_host_waits = 0  # overlapped steps that waited for the previous tokens (grammar, penalties)
+        self.num_spec_waits = 0  # overlapped steps that waited for them to propose drafts (speculation)
         self.num_generated_tokens = 0  # lifetime counter, for metrics
         self.stats_log = StatsLog()  # per-step and per-request observations; off until enabled
         # Speculative decoding's drafts and counters (a no-op without speculative_config).
@@ -150,17 +151,27 @@ class LLMEngine:
         Without overlapped scheduling that is this step. With it, this step's forward (and
         usually its sampling) is launched first and the previous step is processed while the
         device runs it; a step whose sampling needs the previous tokens on the host (grammar
-        bitmask, penalties, min_tokens) samples after that processing instead.
+        bitmask, penalties, min_tokens) samples after that processing instead, and with
+        speculation a step waits for the previous one before it is scheduled whenever drafts may
+        follow its tokens (SpecDecoder.needs_previous_tokens).
         """
+        outputs = []
+        if self._inflight is not None and self.spec_decoder.needs_previous_tokens(
+                self.scheduler.running, self._inflight.scheduler_output):
+            self.num_spec_waits += 1
+            outputs = self._process_inflight()  # drafts follow the accepted tokens
+        self.spec_decoder.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         self.spec_decoder.attach_draft_probs(sched_out)  # q of the drafts it kept, for the rejection sampler
-        if sched_out.is_empty:
-            return self._process_inflight()
+        outputs += self._process_inflight() if sched_out.is_empty else self._launch(sched_out)
+        self.spec_decoder.retain(self.scheduler.running)  # drop finished and preempted sequences' drafting state
+        return outputs
+
+    def _launch(self, sched_out) -> list[RequestOutput]:
+        """Run the scheduled step; process the previous one while it runs (or before its sampling)."""
         self._record_scheduled(sched_out)
         handle = self.executor.forward(sched_out)
-        sampled = sched_out.sampled_seqs
-        outputs = []
-        if any(_needs_host_state(s) for s in sampled):
+        if any(_needs_host_state(s) for s in sched_out.sampled_seqs):
             if self._inflight is not None:
                 self.num_host_waits += 1
             outputs = self._process_inflight()
@@ -171,7 +182,6 @@ class LLMEngine:
         self._inflight = handle
         if not self.async_scheduling:
             outputs += self._process_inflight()
-        self.spec_decoder.propose(self.scheduler.running)  # the next step's drafts (speculation: no overlap)
         return outputs
 
     def _grammar_bitmask(self, sched_out):
@@ -334,6 +344,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_host_waits": self.num_host_waits,
+            "num_spec_waits": self.num_spec_waits,
             "prefix_cache_queries": bm.num_queried_tokens,  # tokens looked up (lifetime), as vLLM counts
             "prefix_cache_hits": bm.num_hit_tokens,
             **self.spec_decoder.get_stats(),  # spec_decode_* counters, with speculative_config only

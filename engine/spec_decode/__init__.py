@@ -31,4 +31,4 @@ def make_spec_decoder(config: EngineConfig, model_config: ModelConfig, num_kv_bl
         from engine.spec_decode.draft_model_proposer import DraftModelProposer  # torch
 
         proposer = DraftModelProposer(config, spec, model_config, num_kv_blocks, eos_token_ids)
-    return SpecDecoder(proposer, spec.num_speculative_tokens)
+    return SpecDecoder(proposer, spec.num_speculative_tokens, pause_without_drafts=bool(config.async_scheduling))

@@ -32,6 +32,11 @@ class AcceptanceGuard:
     def __init__(self):
         self._states: dict[int, _SeqState] = {}  # seq_id -> state, for running sequences only
 
+    def is_paused(self, seq_id: int) -> bool:
+        """Whether the sequence is in a cool-down (no count taken: the engine asks before a step)."""
+        state = self._states.get(seq_id)
+        return state is not None and state.cooldown > 0
+
     def wants_draft(self, seq_id: int) -> bool:
         """Whether to propose for this sequence this step (counts down its cool-down)."""
         state = self._states.get(seq_id)
@@ -44,6 +49,14 @@ class AcceptanceGuard:
         """One verification of `num_draft_tokens` drafts, `num_accepted_tokens` of them accepted."""
         if num_draft_tokens == 0:
             return
+        self._update(seq_id, num_accepted_tokens)
+
+    def observe_no_draft(self, seq_id: int) -> None:
+        """A proposal that found nothing, counted as a verification with none accepted (overlapped
+        scheduling: asking costs a wait for the previous step, so it is paused like a bad draft)."""
+        self._update(seq_id, 0)
+
+    def _update(self, seq_id: int, num_accepted_tokens: int) -> None:
         state = self._states.setdefault(seq_id, _SeqState())
         state.mean_accepted += EMA_WEIGHT * (num_accepted_tokens - state.mean_accepted)
         if state.mean_accepted < MIN_MEAN_ACCEPTED:

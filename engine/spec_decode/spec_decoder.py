@@ -1,9 +1,18 @@
 """The engine's side of speculative decoding: drafts before a step, bookkeeping after it. No torch.
 
-    step N:  schedule (drafts take lookahead slots) -> SpecDecoder.attach_draft_probs (their q)
+    step N:  SpecDecoder.propose (drafts from the tokens so far) -> schedule (drafts take
+             lookahead slots) -> SpecDecoder.attach_draft_probs (their q)
              -> forward over k + 1 rows -> rejection sampler
              -> update_from_output (accepted drafts + 1 token; rejected slots rolled back)
-             -> SpecDecoder.record (counters, acceptance guard) -> SpecDecoder.propose (drafts for N+1)
+             -> SpecDecoder.record (counters, acceptance guard)
+             -> SpecDecoder.retain (finished and preempted sequences' state dropped)
+
+With overlapped scheduling a step is scheduled while the previous one runs, so its sequences'
+last tokens are not on the host yet and nobody can propose after them. `needs_previous_tokens`
+says when the engine must wait for the previous step first: when it verified drafts (the
+accepted count moves every one of its sequences) or when a sequence that decodes next may get
+drafts (the acceptance guard has not paused it). Steps in which every sequence is paused (text
+that does not copy) overlap as without speculation.
 
 Chosen once by `make_spec_decoder` (engine/spec_decode/__init__.py): `NoSpecDecoder` when
 speculation is off, so the engine never asks which it has.
@@ -31,8 +40,11 @@ class Proposer(Protocol):
 
 
 class SpecDecoder:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, pause_without_drafts: bool = False):
         self.proposer = proposer
+        # With overlapped scheduling each proposal costs a wait, so one that finds nothing
+        # pauses the sequence as a rejected draft does (AcceptanceGuard.observe_no_draft).
+        self.pause_without_drafts = pause_without_drafts
         self.guard = AcceptanceGuard()
         self.stats = SpecDecodingStats(num_speculative_tokens)
         # q of the drafts proposed for the next step: seq_id -> torch.Tensor [len(draft), vocab].
@@ -45,14 +57,13 @@ class SpecDecoder:
         cuts a draft at its first token the grammar refuses (the matcher is left as it was), and its
         draft keeps no q (verified one-hot): a cut that depends on tokens drawn from q would bias
         q's acceptance test."""
-        live = {seq.seq_id for seq in running}
-        self.guard.retain(live)
-        self.proposer.retain(live)
         self._draft_probs = {}
         asking = []
         for seq in running:
             seq.spec_token_ids = []
-            if seq.num_computed_tokens + 1 == seq.num_tokens and self.guard.wants_draft(seq.seq_id):
+            # The guard first: a cool-down counts every step of a running sequence, also one whose
+            # last token is still in flight (overlapped scheduling), which gets no draft.
+            if self.guard.wants_draft(seq.seq_id) and seq.num_computed_tokens + 1 == seq.num_tokens:
                 asking.append(seq)
         if not asking:
             return
@@ -64,7 +75,21 @@ class SpecDecoder:
                     draft = draft[:seq.grammar.draft_prefix(draft)]
             elif seq.seq_id in probs:
                 self._draft_probs[seq.seq_id] = probs[seq.seq_id]
+            if not draft and self.pause_without_drafts:
+                self.guard.observe_no_draft(seq.seq_id)
             seq.spec_token_ids = draft
+
+    def retain(self, running: list[Sequence]) -> None:
+        """Forget the guard's and the proposer's state of every sequence no longer running (after each step)."""
+        live = {seq.seq_id for seq in running}
+        self.guard.retain(live)
+        self.proposer.retain(live)
+
+    def needs_previous_tokens(self, running: list[Sequence], inflight: SchedulerOutput) -> bool:
+        """Whether the next step must wait for the in-flight one's tokens before its proposals."""
+        if inflight.spec_token_ids:
+            return True
+        return any(seq.num_output_placeholders and not self.guard.is_paused(seq.seq_id) for seq in running)
 
     def attach_draft_probs(self, scheduler_output: SchedulerOutput) -> None:
         """Give a just-scheduled step the q of its drafts (`spec_draft_probs`): the first
@@ -96,6 +121,12 @@ class NoSpecDecoder:
 
     def propose(self, running: list[Sequence]) -> None:
         pass
+
+    def retain(self, running: list[Sequence]) -> None:
+        pass
+
+    def needs_previous_tokens(self, running: list[Sequence], inflight: SchedulerOutput) -> bool:
+        return False
 
     def attach_draft_probs(self, scheduler_output: SchedulerOutput) -> None:
         pass
