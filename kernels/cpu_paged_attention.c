@@ -75,12 +75,19 @@ typedef struct {
     float *m_run, *l_run; /* [M] running max, running sum of exp */
     int64_t *lim;         /* [M] keys before lim are causal for the vector */
     int64_t *lo;          /* [M] keys from lo on are inside its window (0 without one) */
+    int64_t *head;        /* [M] its kv head (m / Mh) */
 } Item;
 
 /* Offset (elements) of key t's row for kv head 0: row t % bs of block table[t / bs]. */
 INLINE int64_t key_offset(const Item *it, int64_t t) {
     const int64_t bs = it->a->block_size;
     return (it->table[t / bs] * bs + t % bs) * it->a->num_kv_heads * it->a->head_dim;
+}
+
+/* The kv head of vector m, from a table: a division per vector and chunk cost as much as the
+ * chunk's dot products. */
+INLINE int64_t kv_head(const Item *it, int64_t m) {
+    return it->head[m];
 }
 
 /* cap * tanh(x / cap) lane-wise: tanh(y) = sign(y) (1 - e^-2|y|) / (1 + e^-2|y|). */
@@ -106,7 +113,7 @@ INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D, int d
     for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
         const int64_t kb = key_offset(it, k0 + j);
         for (int64_t m = 0; m < it->M; m++) {
-            const void *k = elem_at(it->a->k_cache, kb + m / it->Mh * D, dt);
+            const void *k = elem_at(it->a->k_cache, kb + kv_head(it, m) * D, dt);
             const float *q = it->q + m * D;
             float *s = it->s + m * TILE + j;
             if (chunk_hidden(it, m, k0 + j)) {
@@ -116,10 +123,11 @@ INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D, int d
                 STORE(s, dot_chunk(q, k, stride, D, dt));
             } else {
                 for (int64_t c = 0; c < CHUNK; c++)
-                    s[c] = j + c < kn ? dot(q, elem_at(it->a->k_cache, key_offset(it, k0 + j + c) + m / it->Mh * D, dt), D, dt)
+                    s[c] = j + c < kn ? dot(q, elem_at(it->a->k_cache, key_offset(it, k0 + j + c) + kv_head(it, m) * D, dt), D, dt)
                                       : 0.0f;
             }
             if (cap > 0.0f) STORE(s, soft_cap(LOAD(s), cap));
+            if (k0 + j + CHUNK <= it->lim[m] && k0 + j >= it->lo[m] && j + CHUNK <= kn) continue; /* all visible */
             for (int64_t c = 0; c < CHUNK; c++) { /* past the causal limit or the tile, before the window */
                 const int64_t key = k0 + j + c;
                 if (key >= it->lim[m] || key < it->lo[m] || j + c >= kn) s[c] = -INFINITY;
@@ -185,11 +193,11 @@ INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
             const float *p = it->s + m * TILE + j;
             float *acc = it->acc + m * D;
             if (fast) {
-                pv_rows(acc, p, elem_at(it->a->v_cache, vb + m / it->Mh * D, dt), stride, n, D, dt);
+                pv_rows(acc, p, elem_at(it->a->v_cache, vb + kv_head(it, m) * D, dt), stride, n, D, dt);
                 continue;
             }
             for (int64_t c = 0; c < n; c++) /* the chunk may span blocks: row by row */
-                pv_rows(acc, p + c, elem_at(it->a->v_cache, key_offset(it, k0 + j + c) + m / it->Mh * D, dt),
+                pv_rows(acc, p + c, elem_at(it->a->v_cache, key_offset(it, k0 + j + c) + kv_head(it, m) * D, dt),
                         stride, 1, D, dt);
         }
     }
@@ -252,6 +260,7 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
         it->l_run[m] = a->sinks ? 1.0f : 0.0f;
         it->lim[m] = first_pos + r + 1;
         it->lo[m] = W > 0 && it->lim[m] > W ? it->lim[m] - W : 0;
+        it->head[m] = h;
     }
     fn(it, first_key, num_keys, D);
     for (int64_t m = 0; m < it->M; m++) {
@@ -289,11 +298,11 @@ static int64_t find_seq(const int64_t *first, int64_t num_seqs, int64_t item) {
 static int run_items(const Args *a, const int64_t *first, int64_t num_items) {
     const int64_t M = ROWS_TILE * a->num_heads, D = a->head_dim;
     const attend_fn fn = pick_attend(D, a->dtype);
-    /* One block: q, acc [M, D]; s [M, TILE]; m_run, l_run [M]; lim, lo [M] (int64). */
-    float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + 2 * M * sizeof(int64_t));
+    /* One block: q, acc [M, D]; s [M, TILE]; m_run, l_run [M]; lim, lo, head [M] (int64). */
+    float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + 3 * M * sizeof(int64_t));
     int64_t *bounds = (int64_t *)(mem + M * (2 * D + TILE + 2));
     Item it = {a, NULL, 0, 0, mem, mem + M * D, mem + 2 * M * D, mem + M * (2 * D + TILE),
-               mem + M * (2 * D + TILE + 1), bounds, bounds + M};
+               mem + M * (2 * D + TILE + 1), bounds, bounds + M, bounds + 2 * M};
     int err = mem ? 0 : ERR_NO_MEMORY;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; i++) {

@@ -9,12 +9,16 @@ computes in fp32 from the same values, so the two differ only by fp32 summation 
 (~1e-6) before each rounds its output once; that can move an output by one ulp of
 its type, 2^-7 of its magnitude at most for bf16 (8 significant bits), 2^-10 for fp16.
 """
+import ctypes
 import math
+import platform
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import cpu_build
+from kernels import cpu_attention, cpu_build
 from kernels.cpu_attention import (KERNEL_MAX_Q_LEN, kernel_available, paged_attention_cpu,
                                    store_kv_cpu)
 from kernels.reference import paged_attention_ref, store_kv_ref
@@ -210,6 +214,32 @@ def test_half_types_convert_exactly(dtype, head_dim):
     expect = (expect + 0.0).to(dtype)  # -0 -> +0: the kernel's sums start from +0 (equal values)
     out = paged_attention_cpu(**batch)
     assert torch.equal(out[:, 0].view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.fixture(scope="module")
+def portable_kernel(tmp_path_factory):
+    """The kernel built without AVX-512: the generic vector code (and conversions) other CPUs run."""
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
+        pytest.skip("an x86 C compiler is needed to build without AVX-512")
+    source = Path(cpu_attention.__file__).with_name("cpu_paged_attention.c")
+    target = tmp_path_factory.mktemp("portable") / "cpu_paged_attention_portable.so"
+    error = cpu_build._compile("cc", source, target, ["-O2", "-march=native", "-mno-avx512f", "-fopenmp",
+                                                      "-shared", "-fPIC"])
+    assert error is None, error
+    fn = ctypes.CDLL(str(target)).rayllm_paged_attention
+    fn.argtypes, fn.restype = [ctypes.POINTER(cpu_attention._Args)], ctypes.c_int
+    return fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_build_without_avx512_agrees(portable_kernel, monkeypatch, dtype):
+    """Decodes and chunks with a prefix, and the half types' exact conversions, through the
+    generic code: the AVX-512 build widens half types and broadcasts with instructions of its own."""
+    monkeypatch.setattr(cpu_attention, "_kernel", lambda: portable_kernel)
+    check(make_batch([1] * len(DECODE_LENS), DECODE_LENS, 4, 2, 64, seed=3, dtype=dtype))
+    check(make_batch([5, 16, 1], [40, 16, 200], 8, 2, 128, seed=4, dtype=dtype))
+    if dtype != torch.float32:
+        test_half_types_convert_exactly(dtype, 64)
 
 
 # Decodes, short chunks with a prefix (the kernel), a long one (SDPA), around the windows.
