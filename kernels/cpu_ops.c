@@ -1,6 +1,7 @@
 /* Fused elementwise ops on CPU: one pass each where torch's eager ops take two to five (and
  * allocate in between). Norm and activation take fp32, bf16 and fp16 (computing in fp32 and
- * rounding where torch's ops in that type would); rotary fp32; the KV store any type. Built
+ * rounding where torch's ops in that type would), rotary too (its cos/sin table fp32); the KV
+ * store any type. Built
  * and loaded like cpu_paged_attention.c (kernels/cpu_build.py); wrappers with torch fallbacks
  * in kernels/cpu_ops.py.
  *
@@ -108,22 +109,52 @@ void rayllm_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t n, 
     }
 }
 
+/* One head of rayllm_rotary_neox in type dt, [x1 | x2] halves of `half` elements. In a half
+ * type cos and sin are rounded to dt first and every product, difference and sum is rounded as
+ * torch's ops in that type round them (_rotate_neox_ in engine/layers/rotary.py). */
+INLINE void rotary_head(void *x1, const float *c, const float *s, int64_t half, int dt) {
+    void *x2 = (char *)x1 + half * dt_size(dt);
+    int64_t j = 0;
+    for (; j + CHUNK <= half; j += CHUNK) {
+        const vec a = load_as_f32(x1, j, dt), b = load_as_f32(x2, j, dt);
+        const vec cj = round_to(LOAD(c + j), dt), sj = round_to(LOAD(s + j), dt);
+        const vec a_sin = round_to(a * sj, dt), b_sin = round_to(b * sj, dt);
+        store_as(x1, j, round_to(a * cj, dt) - b_sin, dt);
+        store_as(x2, j, round_to(b * cj, dt) + a_sin, dt);
+    }
+    for (; j < half; j++) {
+        const float a = load1_as_f32(x1, j, dt), b = load1_as_f32(x2, j, dt);
+        const float cj = round1_to(c[j], dt), sj = round1_to(s[j], dt);
+        const float a_sin = round1_to(a * sj, dt), b_sin = round1_to(b * sj, dt);
+        store1_from_f32(x1, j, round1_to(a * cj, dt) - b_sin, dt);
+        store1_from_f32(x2, j, round1_to(b * cj, dt) + a_sin, dt);
+    }
+}
+
 /* Neox rotary in place: each head [x1 | x2] (halves of D) at position p becomes
- * [x1 * cos - x2 * sin | x2 * cos + x1 * sin]. x: [n, heads, D], rows row_stride apart,
- * heads D apart; positions: [n]; cos_sin: [max_pos, D] = [cos (D/2) | sin (D/2)]. */
-void rayllm_rotary_neox_f32(float *x, int64_t row_stride, const int64_t *positions,
-                            const float *cos_sin, int64_t n, int64_t heads, int64_t D) {
-    const int64_t half = D / 2;
+ * [x1 * cos - x2 * sin | x2 * cos + x1 * sin]. x: [n, heads, D] of type dt, rows row_stride
+ * elements apart, heads D apart; positions: [n]; cos_sin: [max_pos, D] = [cos (D/2) | sin (D/2)]
+ * in fp32. */
+void rayllm_rotary_neox(void *x, int64_t row_stride, const int64_t *positions, const float *cos_sin,
+                        int64_t n, int64_t heads, int64_t D, int64_t dt) {
+    const int64_t half = D / 2, size = dt_size(dt);
 #pragma omp parallel for schedule(static) if (n * heads * D >= PARALLEL_MIN_ELEMS)
     for (int64_t i = 0; i < n; i++) {
         const float *c = cos_sin + positions[i] * D, *s = c + half;
         for (int64_t hd = 0; hd < heads; hd++) {
-            float *restrict x1 = x + i * row_stride + hd * D, *restrict x2 = x1 + half;
+            char *x1 = (char *)x + (i * row_stride + hd * D) * size;
+            if (dt == DT_F32) { /* one expression per element (as before the half types came) */
+                float *restrict f1 = (float *)x1, *restrict f2 = f1 + half;
 #pragma omp simd
-            for (int64_t j = 0; j < half; j++) {
-                const float a = x1[j], b = x2[j];
-                x1[j] = a * c[j] - b * s[j];
-                x2[j] = b * c[j] + a * s[j];
+                for (int64_t j = 0; j < half; j++) {
+                    const float a = f1[j], b = f2[j];
+                    f1[j] = a * c[j] - b * s[j];
+                    f2[j] = b * c[j] + a * s[j];
+                }
+            } else if (dt == DT_BF16) {
+                rotary_head(x1, c, s, half, DT_BF16);
+            } else {
+                rotary_head(x1, c, s, half, DT_F16);
             }
         }
     }

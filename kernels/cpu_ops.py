@@ -5,7 +5,8 @@ disabled or unbuildable, a tensor not on CPU or of a dtype the op does not take,
 or a layout it does not take), and the caller then runs its own torch code: one
 implementation per op in the layers, and this as the fast path in front of it.
 The norm and the activation take fp32, bf16 and fp16 and round where torch's ops
-in that dtype would (their tests compare with those ops); rotary takes fp32.
+in that dtype would (their tests compare with those ops); so does rotary, whose cos/sin table
+is fp32 (rounded to the tensor's dtype first, as the layer's torch path does).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_ops.c
     "rayllm_add_rms_norm": ([_P, _I, _P, _P, _P, _I, _I, _I, _F, _I, _I], None),
     "rayllm_silu_and_mul": ([_P, _I, _P, _I, _I, _I], None),
-    "rayllm_rotary_neox_f32": ([_P, _I, _P, _P, _I, _I, _I], None),
+    "rayllm_rotary_neox": ([_P, _I, _P, _P, _I, _I, _I, _I], None),
     "rayllm_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I, _I], ctypes.c_int),
 }
 
@@ -77,10 +78,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def rotary_applies(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-    """Whether rotary_neox_ takes these: x [n, heads, D] fp32 (heads D apart, rows any
-    stride), positions [n] int64 contiguous, cos_sin [max_pos, D] fp32 contiguous."""
-    return (_lib() is not None and x.dim() == 3 and x.stride(1) == x.shape[2]
-            and _on_cpu(torch.float32, x, cos_sin) and cos_sin.is_contiguous() and cos_sin.shape[1] == x.shape[2]
+    """Whether rotary_neox_ takes these: x [n, heads, D] fp32, bf16 or fp16 (heads D apart, rows
+    any stride), positions [n] int64 contiguous, cos_sin [max_pos, D] fp32 contiguous."""
+    return (_lib() is not None and x.dim() == 3 and x.stride(1) == x.shape[2] and x.dtype in DT_CODES
+            and _on_cpu(x.dtype, x) and _on_cpu(torch.float32, cos_sin) and cos_sin.is_contiguous()
+            and cos_sin.shape[1] == x.shape[2]
             and positions.dtype == torch.int64 and positions.is_contiguous()
             and positions.shape == x.shape[:1])
 
@@ -89,8 +91,8 @@ def rotary_neox_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     """Rotate x in place (neox halves); rotary_applies(x, positions, cos_sin) must hold.
     Positions are not range-checked: the caller's cos_sin covers max_position."""
     n, heads, D = x.shape
-    _lib().rayllm_rotary_neox_f32(x.data_ptr(), x.stride(0), positions.data_ptr(),
-                                  cos_sin.data_ptr(), n, heads, D)
+    _lib().rayllm_rotary_neox(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(), n, heads, D,
+                              DT_CODES[x.dtype])
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> bool:

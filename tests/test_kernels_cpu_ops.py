@@ -102,18 +102,25 @@ def test_layers_in_half_types_match_their_torch_path(dtype, monkeypatch):
 
 
 @needs_ops
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_rotary_matches_the_torch_rotation(head_dim):
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 40])  # 80 and 40: a tail past the last CHUNK
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_the_torch_rotation(head_dim, dtype):
+    """fp32 within TOL; in a half type bit for bit: cos and sin rounded to it, and every
+    product, difference and sum rounded where the layer's torch ops round them."""
     rotary = RotaryEmbedding(head_dim, 512, 10000.0)
-    qkv = torch.randn(9, 7 * head_dim)
-    qk = qkv[:, :5 * head_dim].view(9, 5, head_dim)  # strided rows, as in the model
-    positions = torch.randint(0, 512, (9,))
-    expect = qk.clone()
-    cos, sin = rotary.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    qkv = (torch.randn(33, 7 * head_dim) * 4).to(dtype)
+    qk = qkv[:, :5 * head_dim].view(33, 5, head_dim)  # strided rows, as in the model
+    positions = torch.randint(0, 512, (33,))
+    expect, v = qk.clone(), qkv[:, 5 * head_dim:].clone()
+    cos, sin = rotary.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
     _rotate_neox_(expect, cos, sin)
     assert cpu_ops.rotary_applies(qk, positions, rotary.cos_sin_cache)
     cpu_ops.rotary_neox_(qk, positions, rotary.cos_sin_cache)
-    torch.testing.assert_close(qk, expect, **TOL)
+    if dtype == torch.float32:
+        torch.testing.assert_close(qk, expect, **TOL)
+    else:
+        assert torch.equal(qk.view(torch.int16), expect.view(torch.int16))
+    assert torch.equal(qkv[:, 5 * head_dim:], v)  # the rows' other columns untouched
 
 
 @needs_ops
@@ -136,6 +143,7 @@ def test_other_dtypes_are_left_to_torch():
     assert cpu_ops.silu_and_mul(x) is None
     half = torch.randn(4, 32, dtype=torch.bfloat16)
     assert cpu_ops.add_rms_norm(half, None, torch.ones(32, dtype=torch.float16), 1e-6) is None
-    for dtype in (torch.float16, torch.bfloat16, torch.float64):  # rotary: fp32 only
-        assert not cpu_ops.rotary_applies(x.to(dtype).view(4, 1, 32), torch.zeros(4, dtype=torch.long),
-                                          torch.zeros(8, 32, dtype=dtype))
+    positions = torch.zeros(4, dtype=torch.long)
+    assert not cpu_ops.rotary_applies(x.view(4, 1, 32), positions, torch.zeros(8, 32, dtype=torch.float64))
+    for table in (torch.float16, torch.bfloat16):  # rotary's cos/sin table is fp32 only
+        assert not cpu_ops.rotary_applies(half.view(4, 1, 32), positions, torch.zeros(8, 32, dtype=table))

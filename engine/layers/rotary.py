@@ -168,7 +168,7 @@ class RotaryEmbedding(nn.Module):
         rotates both in one pass."""
         tensors = [query] if key is None else [query, key]
         if all(cpu_ops.rotary_applies(t, positions, self.cos_sin_cache) for t in tensors):
-            for t in tensors:  # CPU fp32, whole heads rotated: one fused C pass per tensor
+            for t in tensors:  # CPU, whole heads rotated: one fused C pass per tensor
                 cpu_ops.rotary_neox_(t, positions, self.cos_sin_cache)
             return query, key
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # [n, 1, r/2]
