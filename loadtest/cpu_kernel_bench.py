@@ -6,6 +6,8 @@
   8 / 4 KV heads, MLP 1408), one pass over all of them per timing so weights come from
   memory as in a forward, through `F.linear` (MKL repacks the weight each call) against
   oneDNN on weights packed once (engine.layers.cpu_gemm), at decode and prefill row counts.
+- decode: a decode step of 64 sequences through the C kernel against the torch path, and the
+  kernel's K/V bytes per second as a share of reading the same caches once (`--only decode`).
 - attention: one chunk (8 heads, 4 KV heads, head_dim 64, block 16) through the C
   paged-attention kernel against one SDPA over the gathered blocks
   (kernels.torch_attention.prefill_cached), either side of KERNEL_MAX_Q_LEN, the q_len
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.layers.cpu_gemm import can_pack, pack, packed_linear
 from kernels.cpu_attention import KERNEL_MAX_Q_LEN, _kernel, run_kernel
-from kernels.torch_attention import prefill_cached
+from kernels.torch_attention import paged_attention_torch, prefill_cached
 from loadtest.report import base_metadata, format_table, write_json
 
 # [in, out] of one bench-model layer: qkv, o, gate_up, down.
@@ -34,6 +36,10 @@ LAYER_SHAPES = [(512, 512 + 2 * 256), (512, 512), (512, 2 * 1408), (1408, 512)]
 NUM_LAYERS = 6
 LINEAR_ROWS = (32, 64, 2048)
 ATTENTION_CASES = ((16, 216), (KERNEL_MAX_Q_LEN, 240), (100, 250))  # (q_len, keys)
+# Decode steps: (sequences, their context lengths' range, dtype). The first two fit in a 32 MB
+# L3, the last (~65 MB of K/V) does not, as the engine's six layers do not.
+DECODE_CASES = ((64, (100, 300), torch.float32), (64, (100, 300), torch.bfloat16),
+                (64, (800, 1200), torch.bfloat16))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 
 
@@ -92,23 +98,62 @@ def attention_rows(repeats: int, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:
+    """A decode step's attention through the C kernel against the torch path (what runs without
+    it), and the kernel's K/V bytes per second against reading the same caches once (a sum)."""
+    fn = _kernel()
+    if fn is None:
+        print("the C attention kernel is not built (no compiler, or disabled): decode cases skipped")
+        return []
+    rows = []
+    for num_seqs, (lo, hi), dtype in DECODE_CASES:
+        seq_lens = torch.randint(lo, hi + 1, (num_seqs,), generator=gen, dtype=torch.int32)
+        per_seq = [-(-int(n) // BLOCK) for n in seq_lens]
+        ids = torch.randperm(sum(per_seq), generator=gen).to(torch.int32)
+        table = torch.zeros(num_seqs, max(per_seq), dtype=torch.int32)
+        for s, start in enumerate(torch.tensor([0, *per_seq]).cumsum(0)[:-1].tolist()):
+            table[s, :per_seq[s]] = ids[start:start + per_seq[s]]
+        k_cache, v_cache = (torch.randn(sum(per_seq), BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+                            for _ in "kv")
+        query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32)
+        out_k, out_t = torch.empty_like(query), torch.empty_like(query)
+        scale = HEAD_DIM ** -0.5
+        kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
+                                    1, False)
+        torch_path = lambda: paged_attention_torch(query, k_cache, v_cache, table, seq_lens, cu, 1,  # noqa: E731
+                                                   scale, out_t)
+        read = lambda: (k_cache.view(torch.float32).sum(), v_cache.view(torch.float32).sum())  # noqa: E731
+        ours, peer, read_ms = _median_ms([kernel, torch_path, read], repeats)
+        torch.testing.assert_close(out_k.float(), out_t.float(), rtol=2e-2, atol=2e-2)  # one attention, two ways
+        nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * query.element_size()
+        rows.append({"case": f"decode {num_seqs} x {lo}-{hi} keys, {str(dtype).removeprefix('torch.')} "
+                             f"({nbytes / 2**20:.0f} MiB K/V)", "ours": "C kernel", "ours_ms": ours,
+                     "peer": "torch path", "peer_ms": peer, "ratio": peer / ours,
+                     "kv_gb_per_s": nbytes / ours / 1e6, "read_share": read_ms / ours})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m loadtest.cpu_kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/cpu_kernel_bench.json")
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds per case (default 15)")
-    ap.add_argument("--only", choices=("linear", "attention"), default=None, help="run one group of cases")
+    ap.add_argument("--only", choices=("linear", "attention", "decode"), default=None,
+                    help="run one group of cases")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        rows = [] if args.only == "attention" else linear_rows(args.repeats, gen)
-        rows += [] if args.only == "linear" else attention_rows(args.repeats, gen)
+        rows = linear_rows(args.repeats, gen) if args.only in (None, "linear") else []
+        rows += attention_rows(args.repeats, gen) if args.only in (None, "attention") else []
+        rows += decode_rows(args.repeats, gen) if args.only in (None, "decode") else []
     report = {**base_metadata(sys.argv if argv is None else ["cpu_kernel_bench", *argv]),
               "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows}
     print(f"wrote {write_json(args.out, report)}")
-    print(format_table(["case", "ours", "ms", "peer", "ms", "peer / ours"],
-                       [[r["case"], r["ours"], r["ours_ms"], r["peer"], r["peer_ms"], r["ratio"]] for r in rows]))
+    print(format_table(["case", "ours", "ms", "peer", "ms", "peer / ours", "K/V GB/s", "of a plain read"],
+                       [[r["case"], r["ours"], r["ours_ms"], r["peer"], r["peer_ms"], r["ratio"],
+                         r.get("kv_gb_per_s", "-"), r.get("read_share", "-")] for r in rows]))
     return report
 
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from kernels.cpu_attention import KERNEL_MAX_Q_LEN, kernel_available
 from loadtest import cpu_kernel_bench as ckb
@@ -29,6 +30,16 @@ def test_linear_cases_cover_decode_and_prefill_rows(tmp_path, monkeypatch):
     if rows:  # empty only on a torch without oneDNN, which the bench says
         assert [r["case"] for r in rows] == ["linear x24, 4 rows", "linear x24, 64 rows"]
         assert all(r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
+
+
+def test_decode_cases_report_the_kernel_against_the_torch_path_and_a_plain_read(tmp_path, monkeypatch):
+    if not kernel_available():
+        pytest.skip("the C attention kernel is not built here")
+    monkeypatch.setattr(ckb, "DECODE_CASES", ((3, (1, 40), torch.float32), (2, (15, 17), torch.bfloat16)))
+    rows = ckb.main(["--only", "decode", "--repeats", "1", "--out", str(tmp_path / "b.json")])["rows"]
+    assert [r["case"] for r in rows] == ["decode 3 x 1-40 keys, float32 (0 MiB K/V)",
+                                         "decode 2 x 15-17 keys, bfloat16 (0 MiB K/V)"]
+    assert all(r["peer"] == "torch path" and r["kv_gb_per_s"] > 0 and r["read_share"] > 0 for r in rows)
 
 
 def test_refuses_zero_repeats(capsys):
