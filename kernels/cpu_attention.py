@@ -6,9 +6,9 @@ step's new K/V rows). Dispatch:
 - fp32, bf16 or fp16 CPU tensors and the kernel built (kernels/cpu_paged_attention.c,
   see kernels.cpu_build; half types are widened to fp32 in registers): decode rows and chunks of up to KERNEL_MAX_Q_LEN rows run
   in the C kernel, which reads K/V straight from the cache blocks (no gather
-  copy, no padding, online softmax). A chunk with no cached prefix (q_len ==
-  seq_len) runs as one SDPA on `key`/`value` when they are given (it needs no
-  cache at all), and a longer chunk with a prefix as one SDPA over K/V gathered
+  copy, no padding, online softmax), with or without a cached prefix. A longer
+  chunk runs as one SDPA: on `key`/`value` when it has no cached prefix (q_len ==
+  seq_len) and they are given (it needs no cache at all), else over K/V gathered
   from its blocks.
 - anything else (other dtypes or devices, RAYLLM_DISABLE_CPU_KERNEL=1, no
   compiler): kernels.torch_attention.paged_attention_torch.
@@ -32,9 +32,9 @@ from kernels.torch_attention import (ScoreOptions, paged_attention_torch, prefil
 
 _LIB_NAME = "cpu_paged_attention"
 # Chunks with more query rows run as SDPA instead, where one matmul over the chunk beats
-# the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench` times both either side
-# of this limit (docs/benchmarks.md, "CPU kernels", which also says where the limit stands).
-KERNEL_MAX_Q_LEN = 32
+# the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench --only attention` times both
+# either side of this limit (docs/benchmarks.md, "the C attention kernel against SDPA per chunk").
+KERNEL_MAX_Q_LEN = 512
 # Return codes of rayllm_paged_attention (cpu_paged_attention.c).
 _ERRORS = {
     1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
@@ -113,8 +113,8 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
 
 def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
                  query_lens_cpu, scale, out, key, value, opts) -> None:
-    """The chunks the kernel skipped, one SDPA each: fresh ones (1 < q_len == seq_len) on
-    their own new K/V when given, longer ones with a cached prefix over their blocks."""
+    """The chunks the kernel skipped (over KERNEL_MAX_Q_LEN rows), one SDPA each: fresh ones
+    (q_len == seq_len) on their own new K/V when given, the others over their blocks."""
     seq_l = list(seq_lens_cpu) if seq_lens_cpu is not None else seq_lens.tolist()
     if query_lens_cpu is not None:
         q_l = list(query_lens_cpu)
@@ -123,9 +123,11 @@ def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 
         q_l = [b - a for a, b in zip(cu, cu[1:])]
     start = 0
     for s, (q_len, seq_len) in enumerate(zip(q_l, seq_l)):
-        if key is not None and 1 < q_len == seq_len:
+        if q_len <= KERNEL_MAX_Q_LEN:
+            pass
+        elif key is not None and q_len == seq_len:
             prefill_fresh(query, key, value, start, q_len, scale, out, opts)
-        elif q_len > KERNEL_MAX_Q_LEN:
+        else:
             prefill_cached(query, k_cache, v_cache, block_tables[s], start, q_len, seq_len, scale, out,
                            opts)
         start += q_len
@@ -161,11 +163,9 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
         return out
     dst = out if out.stride(-1) == 1 else torch.empty(query.shape, dtype=query.dtype)
     scale = float(softmax_scale)
-    skip_fresh = key is not None
     run_kernel(fn, _unit_last_stride(query), k_cache, v_cache, _as_int32(block_tables),
-               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, skip_fresh,
-               opts)
-    if max_seqlen_q > (1 if skip_fresh else KERNEL_MAX_Q_LEN):
+               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, False, opts)
+    if max_seqlen_q > KERNEL_MAX_Q_LEN:
         _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
                      query_lens_cpu, scale, dst, key, value, opts)
     if dst is not out:

@@ -35,7 +35,9 @@ from loadtest.report import base_metadata, format_table, write_json
 LAYER_SHAPES = [(512, 512 + 2 * 256), (512, 512), (512, 2 * 1408), (1408, 512)]
 NUM_LAYERS = 6
 LINEAR_ROWS = (32, 64, 2048)
-ATTENTION_CASES = ((16, 216), (KERNEL_MAX_Q_LEN, 240), (100, 250))  # (q_len, keys)
+# (q_len, keys): chunks with a cached prefix, either side of the kernel's limit.
+ATTENTION_CASES = ((16, 216), (100, 250), (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200),
+                   (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
 # Decode steps: (sequences, their context lengths' range, dtype). The first two fit in a 32 MB
 # L3, the last (~65 MB of K/V) does not, as the engine's six layers do not.
 DECODE_CASES = ((64, (100, 300), torch.float32), (64, (100, 300), torch.bfloat16),

@@ -70,20 +70,19 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
                 softmax_scale=1.0 / math.sqrt(head_dim))
 
 
-def kernel_rows(batch, fresh_from_new_rows):
-    """[num_tokens] bool: the rows the C kernel computes (the rest go to SDPA: longer chunks,
-    and fresh ones when the new K/V rows are given)."""
-    cu, seq_lens = batch["cu_seqlens_q"].tolist(), batch["seq_lens"].tolist()
+def kernel_rows(batch):
+    """[num_tokens] bool: the rows the C kernel computes (chunks of up to KERNEL_MAX_Q_LEN rows,
+    fresh or with a prefix; longer ones go to SDPA)."""
+    cu = batch["cu_seqlens_q"].tolist()
     rows = torch.zeros(cu[-1], dtype=torch.bool)
-    for s, seq_len in enumerate(seq_lens):
-        q_len = cu[s + 1] - cu[s]
-        rows[cu[s]:cu[s + 1]] = q_len <= KERNEL_MAX_Q_LEN and not (fresh_from_new_rows and 1 < q_len == seq_len)
+    for s in range(len(cu) - 1):
+        rows[cu[s]:cu[s + 1]] = cu[s + 1] - cu[s] <= KERNEL_MAX_Q_LEN
     return rows
 
 
 def assert_close(out, ref, batch, extra):
     """The kernel's rows within TOLS; SDPA's in a half type within SDPA_TOLS."""
-    mine = kernel_rows(batch, "key" in extra)
+    mine = kernel_rows(batch)
     atol, rtol = TOLS[ref.dtype]
     torch.testing.assert_close(out[mine], ref[mine], atol=atol, rtol=rtol)
     atol, rtol = SDPA_TOLS.get(ref.dtype, (atol, rtol))
@@ -166,15 +165,24 @@ def test_chunks_with_a_cached_prefix_and_fresh_chunks(dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fresh_chunks_use_the_new_key_value_rows(dtype):
-    batch = make_batch([20, 1, 45], [20, 33, 45], 4, 2, 64, dtype=dtype)
-    key = torch.randn(66, 2, 64).to(dtype)
-    value = torch.randn(66, 2, 64).to(dtype)
+    """Fresh chunks (no cached prefix): up to KERNEL_MAX_Q_LEN rows in the kernel from the cache,
+    longer ones as SDPA on the new rows themselves (their cache rows are poisoned after the store)."""
+    long = KERNEL_MAX_Q_LEN + 5
+    lens = [(20, 20), (1, 33), (long, long)]
+    batch = make_batch([q for q, _ in lens], [n for _, n in lens], 4, 2, 64, dtype=dtype)
+    num_rows = sum(q for q, _ in lens)
+    key, value = torch.randn(num_rows, 2, 64).to(dtype), torch.randn(num_rows, 2, 64).to(dtype)
     slots = []
-    for s, (q_len, seq_len) in enumerate([(20, 20), (1, 33), (45, 45)]):
+    for s, (q_len, seq_len) in enumerate(lens):
         for p in range(seq_len - q_len, seq_len):
             slots.append(int(batch["block_tables"][s, p // 16]) * 16 + p % 16)
     store_kv_cpu(key, value, batch["k_cache"], batch["v_cache"], torch.tensor(slots))
-    check(batch, key=key, value=value)
+    ref = paged_attention_ref(**batch)
+    for cache in (batch["k_cache"], batch["v_cache"]):  # the long chunk must not read its blocks
+        cache[batch["block_tables"][2, :-(-long // 16)].long()] = float("nan")
+    out = paged_attention_cpu(**batch, key=key, value=value)
+    assert not torch.isnan(out).any(), "the long fresh chunk read the cache"
+    assert_close(out, ref, batch, {"key": key})
 
 
 def special_values(dtype, n, gen):

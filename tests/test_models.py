@@ -18,9 +18,10 @@ from engine.models import MODEL_REGISTRY, get_model_class  # noqa: E402
 
 BLOCK_SIZE = 16
 BLOCKS_PER_SEQ = 8  # room for 128 tokens per sequence
-ATOL = 1e-4
-# On a GPU cuBLAS and the native kernels sum in another order: an H100 gave 1.2e-4 on one of
-# 9250 qwen2 logits (MQA, large init), so native runs get a looser bound; CPU keeps 1e-4.
+# Our attention sums in another order than HF's SDPA: on CPU the C kernel (online softmax, a
+# polynomial exp) now takes whole prefill chunks too, and gave 1.43e-4 on one of 9250 qwen2
+# logits (MQA, large init, logits ~2); an H100's cuBLAS and native kernels gave 1.2e-4 there.
+ATOL = 2e-4
 ATOL_CUDA = 5e-4
 
 _COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
