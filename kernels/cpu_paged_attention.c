@@ -10,7 +10,8 @@
  * vector, softmax, then P @ V. Both passes walk the tile block by block, and a
  * block stores all kv heads of its tokens together ([block_size, kv_heads, D]), so
  * K and V are each read once, front to back; the G query heads of a group reuse
- * their kv head's rows from L1.
+ * their kv head's rows from L1, and up to GROUPED_MAX_D each row is widened to fp32
+ * once for all of them (group_scores, group_pv).
  *
  * Causality: query row i of a sequence with q_len new rows sits at position
  * seq_len - q_len + i and sees keys 0 .. that position (bottom-right aligned).
@@ -36,6 +37,13 @@
 #include "cpu_simd.h"
 
 #define ROWS_TILE 4 /* query rows per item: some K/V reuse for chunks with a prefix */
+#define MAX_REG_CHUNKS 8 /* head_dim up to 128: an accumulator in registers */
+/* head_dim up to this: each K and V row is widened once for every query vector that reads it (a
+ * kv head's query heads, GQA), not once per vector. Measured faster at 64 for 2 to 7 query heads
+ * per kv head, slower at 128 (docs/benchmarks.md), where the per-vector path stays. */
+#define GROUPED_MAX_D 64
+#define GROUP 8    /* query vectors per group_scores pass: GROUP x CHUNK partial sums on the stack */
+#define PV_GROUP 4 /* query vectors per group_pv call: PV_GROUP x D / CHUNK accumulators in registers */
 #define TILE 128    /* keys per online-softmax step, a multiple of CHUNK */
 
 /* Error codes; the Python wrapper turns them into ValueError / MemoryError. */
@@ -105,23 +113,48 @@ INLINE int chunk_hidden(const Item *it, int64_t m, int64_t k) {
     return k >= it->lim[m] || k + CHUNK <= it->lo[m];
 }
 
+/* s[m, j .. j + CHUNK) = q_m . k_{k0 + j + c} for vectors m0 .. m0 + nm (all of one kv head),
+ * the CHUNK key rows from kb (`stride` elements apart): each row is widened once for all the
+ * vectors (a kv head's query heads and rows), GROUP of them at a time. */
+INLINE void group_scores(const Item *it, int64_t m0, int64_t nm, const void *kb, int64_t stride, int64_t j,
+                         int64_t D, int dt) {
+    vec part[GROUP][CHUNK]; /* part[g][c]: lane sums of q_{m0+g} . k_c, reduced by transpose_sum */
+    vec k[GROUPED_MAX_D / CHUNK];
+    for (int64_t g0 = 0; g0 < nm; g0 += GROUP) {
+        const int64_t ng = nm - g0 < GROUP ? nm - g0 : GROUP;
+        for (int c = 0; c < CHUNK; c++) {
+            for (int64_t i = 0; i < D / CHUNK; i++) k[i] = load_as_f32(kb, c * stride + i * CHUNK, dt);
+            for (int64_t g = 0; g < ng; g++) {
+                const float *q = it->q + (m0 + g0 + g) * D;
+                vec acc = LOAD(q) * k[0];
+                for (int64_t i = 1; i < D / CHUNK; i++) acc += LOAD(q + i * CHUNK) * k[i];
+                part[g][c] = acc;
+            }
+        }
+        for (int64_t g = 0; g < ng; g++) STORE(it->s + (m0 + g0 + g) * TILE + j, transpose_sum(part[g]));
+    }
+}
+
 /* s[m, j] = q_m . k_{k0 + j} for the kn keys of the tile; -inf where m may not look. */
 INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
     const int64_t stride = it->a->num_kv_heads * D;
     const int fast = it->a->block_size % CHUNK == 0 && D % CHUNK == 0;
+    const int grouped = fast && D <= GROUPED_MAX_D;
     const float cap = it->a->soft_cap;
     for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
         const int64_t kb = key_offset(it, k0 + j);
+        if (grouped) /* every vector's dots (a hidden chunk's are overwritten below) */
+            for (int64_t h = 0; h < it->a->num_kv_heads; h++)
+                group_scores(it, h * it->Mh, it->Mh, elem_at(it->a->k_cache, kb + h * D, dt), stride, j, D, dt);
         for (int64_t m = 0; m < it->M; m++) {
-            const void *k = elem_at(it->a->k_cache, kb + kv_head(it, m) * D, dt);
             const float *q = it->q + m * D;
             float *s = it->s + m * TILE + j;
             if (chunk_hidden(it, m, k0 + j)) {
                 STORE(s, splat(-INFINITY));
                 continue;
-            } else if (fast) {
-                STORE(s, dot_chunk(q, k, stride, D, dt));
-            } else {
+            } else if (fast && !grouped) {
+                STORE(s, dot_chunk(q, elem_at(it->a->k_cache, kb + kv_head(it, m) * D, dt), stride, D, dt));
+            } else if (!fast) {
                 for (int64_t c = 0; c < CHUNK; c++)
                     s[c] = j + c < kn ? dot(q, elem_at(it->a->k_cache, key_offset(it, k0 + j + c) + kv_head(it, m) * D, dt), D, dt)
                                       : 0.0f;
@@ -161,7 +194,6 @@ INLINE void tile_softmax(const Item *it, int64_t k0, int64_t kn, int64_t D) {
     }
 }
 
-#define MAX_REG_CHUNKS 8 /* head_dim up to 128 keeps its accumulator in registers */
 
 /* acc += sum_{c < n} p[c] * v_c over D floats, v_c = vb + c * stride (elements of type dt).
  * With D a constant <= MAX_REG_CHUNKS * CHUNK, acc lives in registers for the whole walk. */
@@ -181,19 +213,54 @@ INLINE void pv_rows(float *restrict acc, const float *restrict p, const void *re
     for (int64_t i = 0; i < D / CHUNK; i++) STORE(acc + i * CHUNK, x[i]);
 }
 
-/* acc_m += sum_j p[m, j] * v_{k0 + j}, CHUNK keys at a time (one block's rows each). */
+/* acc_m += sum_{c < n} p[m, j + c] * v_c for the R <= PV_GROUP vectors m0 .. m0 + R of one query
+ * row and kv head (one limit and window), v_c = vb + c * stride: each V row is widened once for
+ * the R of them, their accumulators in registers. Lanes before the window count 0 (the first
+ * visible chunk's softmax wrote 0 there); rows past the limit are never read. */
+INLINE void group_pv(const Item *it, int64_t m0, const int R, const void *vb, int64_t stride, int64_t j,
+                     int64_t n, int64_t D, int dt) {
+    vec x[PV_GROUP][GROUPED_MAX_D / CHUNK], v[GROUPED_MAX_D / CHUNK];
+    for (int g = 0; g < R; g++)
+        for (int64_t i = 0; i < D / CHUNK; i++) x[g][i] = LOAD(it->acc + (m0 + g) * D + i * CHUNK);
+    for (int64_t c = 0; c < n; c++) {
+        for (int64_t i = 0; i < D / CHUNK; i++) v[i] = load_as_f32(vb, c * stride + i * CHUNK, dt);
+        for (int g = 0; g < R; g++) {
+            const vec pc = splat(it->s[(m0 + g) * TILE + j + c]);
+            for (int64_t i = 0; i < D / CHUNK; i++) x[g][i] += pc * v[i];
+        }
+    }
+    for (int g = 0; g < R; g++)
+        for (int64_t i = 0; i < D / CHUNK; i++) STORE(it->acc + (m0 + g) * D + i * CHUNK, x[g][i]);
+}
+
+/* acc_m += sum_j p[m, j] * v_{k0 + j}, CHUNK keys at a time (one block's rows each). With
+ * head_dim a multiple of CHUNK up to GROUPED_MAX_D, a query row's G heads of one kv head go
+ * through group_pv together (a constant group size per call, so x stays in registers). */
 INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
-    const int64_t stride = it->a->num_kv_heads * D;
+    const int64_t stride = it->a->num_kv_heads * D, G = it->a->num_heads / it->a->num_kv_heads;
     const int fast = it->a->block_size % CHUNK == 0;
+    const int grouped = fast && D % CHUNK == 0 && D <= GROUPED_MAX_D;
     for (int64_t j = 0; j < kn; j += CHUNK) {
         const int64_t vb = key_offset(it, k0 + j);
-        for (int64_t m = 0; m < it->M; m++) {
+        for (int64_t m = 0; m < it->M; m += grouped ? G : 1) { /* grouped: m is a row's first head */
             if (chunk_hidden(it, m, k0 + j)) continue; /* its probabilities were never written */
             const int64_t n = it->lim[m] - k0 - j < CHUNK ? it->lim[m] - k0 - j : CHUNK;
+            const void *v = elem_at(it->a->v_cache, vb + kv_head(it, m) * D, dt);
+            if (grouped) {
+                for (int64_t g = 0; g < G; g += PV_GROUP) {
+                    switch (G - g < PV_GROUP ? G - g : PV_GROUP) {
+                    case 4: group_pv(it, m + g, 4, v, stride, j, n, D, dt); break;
+                    case 3: group_pv(it, m + g, 3, v, stride, j, n, D, dt); break;
+                    case 2: group_pv(it, m + g, 2, v, stride, j, n, D, dt); break;
+                    default: group_pv(it, m + g, 1, v, stride, j, n, D, dt);
+                    }
+                }
+                continue;
+            }
             const float *p = it->s + m * TILE + j;
             float *acc = it->acc + m * D;
             if (fast) {
-                pv_rows(acc, p, elem_at(it->a->v_cache, vb + kv_head(it, m) * D, dt), stride, n, D, dt);
+                pv_rows(acc, p, v, stride, n, D, dt);
                 continue;
             }
             for (int64_t c = 0; c < n; c++) /* the chunk may span blocks: row by row */

@@ -35,14 +35,19 @@ from loadtest.report import base_metadata, format_table, write_json
 LAYER_SHAPES = [(512, 512 + 2 * 256), (512, 512), (512, 2 * 1408), (1408, 512)]
 NUM_LAYERS = 6
 LINEAR_ROWS = (32, 64, 2048)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 # (q_len, keys): chunks with a cached prefix, either side of the kernel's limit.
 ATTENTION_CASES = ((16, 216), (100, 250), (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200),
                    (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
-# Decode steps: (sequences, their context lengths' range, dtype). The first two fit in a 32 MB
-# L3, the last (~65 MB of K/V) does not, as the engine's six layers do not.
-DECODE_CASES = ((64, (100, 300), torch.float32), (64, (100, 300), torch.bfloat16),
-                (64, (800, 1200), torch.bfloat16))
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
+# Decode steps: (sequences, their context lengths' range, dtype, query heads, kv heads, head_dim).
+# The bench model's shape first: the first two fit in a 32 MB L3, the third (~65 MB of K/V) does
+# not, as the engine's six layers do not. Then the demo model's (SmolLM2-135M: 3 query heads per
+# kv head) and Llama-3.1-8B's (4 per kv head, head_dim 128).
+DECODE_CASES = ((64, (100, 300), torch.float32, HEADS, KV_HEADS, HEAD_DIM),
+                (64, (100, 300), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM),
+                (64, (800, 1200), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM),
+                (32, (400, 800), torch.bfloat16, 9, 3, 64),
+                (32, (400, 800), torch.bfloat16, 32, 8, 128))
 
 
 def _median_ms(fns: list, repeats: int) -> list[float]:
@@ -108,19 +113,19 @@ def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         print("the C attention kernel is not built (no compiler, or disabled): decode cases skipped")
         return []
     rows = []
-    for num_seqs, (lo, hi), dtype in DECODE_CASES:
+    for num_seqs, (lo, hi), dtype, heads, kv_heads, head_dim in DECODE_CASES:
         seq_lens = torch.randint(lo, hi + 1, (num_seqs,), generator=gen, dtype=torch.int32)
         per_seq = [-(-int(n) // BLOCK) for n in seq_lens]
         ids = torch.randperm(sum(per_seq), generator=gen).to(torch.int32)
         table = torch.zeros(num_seqs, max(per_seq), dtype=torch.int32)
         for s, start in enumerate(torch.tensor([0, *per_seq]).cumsum(0)[:-1].tolist()):
             table[s, :per_seq[s]] = ids[start:start + per_seq[s]]
-        k_cache, v_cache = (torch.randn(sum(per_seq), BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k_cache, v_cache = (torch.randn(sum(per_seq), BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
                             for _ in "kv")
-        query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        query = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
         cu = torch.arange(num_seqs + 1, dtype=torch.int32)
         out_k, out_t = torch.empty_like(query), torch.empty_like(query)
-        scale = HEAD_DIM ** -0.5
+        scale = head_dim ** -0.5
         kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
                                     1, False)
         torch_path = lambda: paged_attention_torch(query, k_cache, v_cache, table, seq_lens, cu, 1,  # noqa: E731
@@ -128,9 +133,9 @@ def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         read = lambda: (k_cache.view(torch.float32).sum(), v_cache.view(torch.float32).sum())  # noqa: E731
         ours, peer, read_ms = _median_ms([kernel, torch_path, read], repeats)
         torch.testing.assert_close(out_k.float(), out_t.float(), rtol=2e-2, atol=2e-2)  # one attention, two ways
-        nbytes = 2 * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * query.element_size()
-        rows.append({"case": f"decode {num_seqs} x {lo}-{hi} keys, {str(dtype).removeprefix('torch.')} "
-                             f"({nbytes / 2**20:.0f} MiB K/V)", "ours": "C kernel", "ours_ms": ours,
+        nbytes = 2 * int(seq_lens.sum()) * kv_heads * head_dim * query.element_size()
+        rows.append({"case": f"decode {num_seqs} x {lo}-{hi} keys, {heads}/{kv_heads} heads x {head_dim}, "
+                             f"{str(dtype).removeprefix('torch.')} ({nbytes / 2**20:.0f} MiB K/V)", "ours": "C kernel", "ours_ms": ours,
                      "peer": "torch path", "peer_ms": peer, "ratio": peer / ours,
                      "kv_gb_per_s": nbytes / ours / 1e6, "read_share": read_ms / ours})
     return rows

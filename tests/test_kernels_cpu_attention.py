@@ -131,7 +131,7 @@ DECODE_LENS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 128, 129, 300]
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8])  # 3, 6: groups of query heads past the kernel's 4
 def test_decode_mixed_lengths(group, head_dim, dtype):
     batch = make_batch([1] * len(DECODE_LENS), DECODE_LENS, 2 * group, 2, head_dim, seed=group, dtype=dtype)
     check(batch)

@@ -35,10 +35,11 @@ def test_linear_cases_cover_decode_and_prefill_rows(tmp_path, monkeypatch):
 def test_decode_cases_report_the_kernel_against_the_torch_path_and_a_plain_read(tmp_path, monkeypatch):
     if not kernel_available():
         pytest.skip("the C attention kernel is not built here")
-    monkeypatch.setattr(ckb, "DECODE_CASES", ((3, (1, 40), torch.float32), (2, (15, 17), torch.bfloat16)))
+    monkeypatch.setattr(ckb, "DECODE_CASES", ((3, (1, 40), torch.float32, 8, 4, 64),
+                                              (2, (15, 17), torch.bfloat16, 9, 3, 64)))
     rows = ckb.main(["--only", "decode", "--repeats", "1", "--out", str(tmp_path / "b.json")])["rows"]
-    assert [r["case"] for r in rows] == ["decode 3 x 1-40 keys, float32 (0 MiB K/V)",
-                                         "decode 2 x 15-17 keys, bfloat16 (0 MiB K/V)"]
+    assert [r["case"] for r in rows] == ["decode 3 x 1-40 keys, 8/4 heads x 64, float32 (0 MiB K/V)",
+                                         "decode 2 x 15-17 keys, 9/3 heads x 64, bfloat16 (0 MiB K/V)"]
     assert all(r["peer"] == "torch path" and r["kv_gb_per_s"] > 0 and r["read_share"] > 0 for r in rows)
 
 
