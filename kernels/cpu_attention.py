@@ -55,7 +55,7 @@ class _Args(ctypes.Structure):
                 ("q_stride_tok", "q_stride_head", "o_stride_tok", "o_stride_head", "bt_stride",
                  "num_tokens", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "max_blocks")] + \
-               [("scale", ctypes.c_float), ("max_q_len", ctypes.c_int64), ("skip_fresh", ctypes.c_int64),
+               [("scale", ctypes.c_float), ("max_q_len", ctypes.c_int64),
                 ("sliding_window", ctypes.c_int64), ("soft_cap", ctypes.c_float), ("sinks", ctypes.c_void_p),
                 ("dtype", ctypes.c_int64)]
 
@@ -83,9 +83,8 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-               out, max_q_len: int, skip_fresh: bool, opts: ScoreOptions = ScoreOptions()) -> None:
-    """Call the C kernel for the sequences with at most max_q_len query rows (and, with
-    skip_fresh, a cached prefix or a single row).
+               out, max_q_len: int, opts: ScoreOptions = ScoreOptions()) -> None:
+    """Call the C kernel for the sequences with at most max_q_len query rows.
 
     Every tensor on CPU with a unit last stride; query, caches and out one of DT_CODES,
     the index tensors int32. query, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -101,7 +100,7 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
                  seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), out.data_ptr(),
                  query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                  query.shape[0], block_tables.shape[0], query.shape[1], num_kv_heads, head_dim,
-                 block_size, num_blocks, block_tables.shape[1], scale, max_q_len, int(skip_fresh),
+                 block_size, num_blocks, block_tables.shape[1], scale, max_q_len,
                  opts.sliding_window or 0, opts.logits_soft_cap or 0.0,
                  None if sinks is None else sinks.data_ptr(), DT_CODES[query.dtype])
     err = fn(ctypes.byref(args))
@@ -164,7 +163,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     dst = out if out.stride(-1) == 1 else torch.empty(query.shape, dtype=query.dtype)
     scale = float(softmax_scale)
     run_kernel(fn, _unit_last_stride(query), k_cache, v_cache, _as_int32(block_tables),
-               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, False, opts)
+               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, opts)
     if max_seqlen_q > KERNEL_MAX_Q_LEN:
         _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
                      query_lens_cpu, scale, dst, key, value, opts)

@@ -65,7 +65,6 @@ typedef struct {
     int64_t num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
     float scale;
     int64_t max_q_len; /* sequences with more query rows are skipped (the caller runs them) */
-    int64_t skip_fresh; /* nonzero: chunks without a cached prefix (1 < q_len == seq_len) too */
     int64_t sliding_window; /* 0: none, else row p sees keys p - sliding_window + 1 .. p */
     float soft_cap;         /* 0: none, else scores -> soft_cap * tanh(score / soft_cap) */
     const float *sinks;     /* NULL: none, else [num_heads] logits that join the denominator */
@@ -346,8 +345,7 @@ static int plan_tiles(const Args *a, int64_t *first) {
         const int64_t q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s], seq_len = a->seq_lens[s];
         if (q_len < 0) return ERR_QUERY_ROWS;
         if (q_len > seq_len || seq_len > a->max_blocks * a->block_size) return ERR_SEQ_LEN;
-        const int skip = q_len > a->max_q_len || (a->skip_fresh && q_len > 1 && q_len == seq_len);
-        first[s + 1] = first[s] + (skip ? 0 : (q_len + ROWS_TILE - 1) / ROWS_TILE);
+        first[s + 1] = first[s] + (q_len > a->max_q_len ? 0 : (q_len + ROWS_TILE - 1) / ROWS_TILE);
     }
     return 0;
 }

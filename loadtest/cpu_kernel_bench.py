@@ -95,7 +95,7 @@ def attention_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         out_k, out_s = torch.empty_like(query), torch.empty_like(query)
         scale = HEAD_DIM ** -0.5
         kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
-                                    q_len, False)
+                                    q_len)
         sdpa = lambda: prefill_cached(query, k_cache, v_cache, table[0], 0, q_len, seq_len, scale, out_s)  # noqa: E731
         ours, peer = _median_ms([kernel, sdpa], repeats)
         torch.testing.assert_close(out_k, out_s, rtol=1e-4, atol=1e-4)  # the same attention, two ways
@@ -127,7 +127,7 @@ def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         out_k, out_t = torch.empty_like(query), torch.empty_like(query)
         scale = head_dim ** -0.5
         kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
-                                    1, False)
+                                    1)
         torch_path = lambda: paged_attention_torch(query, k_cache, v_cache, table, seq_lens, cu, 1,  # noqa: E731
                                                    scale, out_t)
         read = lambda: (k_cache.view(torch.float32).sum(), v_cache.view(torch.float32).sum())  # noqa: E731
