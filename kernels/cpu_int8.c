@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -44,9 +45,12 @@
 #endif
 
 enum { OUT_F32 = DT_F32, OUT_BF16 = DT_BF16, OUT_I32 = 3 }; /* shared with kernels/cpu_int8.py */
-enum { OK = 0, ERR_NO_VNNI = 1, ERR_NOMEM = 2, ERR_DTYPE = 3 };
+enum { OK = 0, ERR_NO_VNNI = 1, ERR_NOMEM = 2, ERR_DTYPE = 3, ERR_NO_AMX = 4 };
+enum { ISA_AUTO = 0, ISA_VNNI = 1, ISA_AMX = 2 }; /* which instructions multiply: kernels/cpu_int8.py */
 
 int rayllm_int8_vnni_available(void) { return HAVE_VNNI; }
+
+int rayllm_int8_amx_available(void) { return HAVE_VNNI && HAVE_AMX && amx_ready(); }
 
 #if HAVE_VNNI
 #define LANES 16    /* outputs per weight vector: int32 lanes */
@@ -54,6 +58,9 @@ int rayllm_int8_vnni_available(void) { return HAVE_VNNI; }
 #define NR 4        /* blocks of LANES outputs per register tile: MR * NR accumulators + NR weights */
 #define MC 256      /* activation rows per task: MC * Kp bytes stay in L2 across a thread's panels */
 #define PARALLEL_MIN_MACS 65536 /* below this many multiply-adds a call runs on the calling thread */
+#define K_ALIGN 64  /* Kp: K padded with zeros to whole AMX tiles (kernels/cpu_int8.py packs it so) */
+#define AMX_MIN_M 8  /* fewer rows leave most of an AMX tile empty: VNNI is faster there */
+#define AMX_NR 8     /* blocks per task with AMX: the 32 rows' tiles are read from L1 again per pair */
 
 typedef struct {
     const uint8_t *xq;     /* [M, Kp] qx + 128 */
@@ -108,25 +115,49 @@ static float quantize_row_any(const void *x, int64_t K, int64_t Kp, const float 
                         : quantize_row(x, K, Kp, static_scale, xq, DT_BF16);
 }
 
-/* Output block (m, n..n+16) from its accumulator: acc - comp, scaled and stored in g->out_dt. */
-INLINE void store_block(const Gemm *g, __m512i acc, int64_t m, int64_t n) {
-    const __mmask16 mask = tail_mask(g->N - n);
-    const __m512i v = _mm512_sub_epi32(acc, _mm512_maskz_loadu_epi32(mask, g->comp + n));
-    if (g->out_dt == OUT_I32) {
+/* f rounded to bf16 as torch's .to(bfloat16) rounds it, 16 lanes stored at dst. vcvtneps2bf16
+ * rounds to nearest even in one instruction, but flushes denormals and quiets NaNs its own way:
+ * a vector holding either takes cpu_simd.h's bit arithmetic instead. */
+INLINE void store_bf16(uint16_t *dst, __m512 f, __mmask16 mask) {
+#if defined(__AVX512BF16__)
+    if (!_mm512_fpclass_ps_mask(f, 0xa1)) { /* 0x01 QNaN | 0x20 denormal | 0x80 SNaN */
+        _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(f));
+        return;
+    }
+#endif
+    vec fv;
+    memcpy(&fv, &f, sizeof fv);
+    const u32vec r = bf16_round_bits(fv) >> 16;
+    __m512i ri;
+    memcpy(&ri, &r, sizeof ri);
+    _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(ri));
+}
+
+/* Output y[m, n..n+16) from its sums acc: acc - comp, scaled by x_scale[m] and ws (w_scale[n..]),
+ * stored in out_dt (a constant once inlined). */
+INLINE void store_row(const Gemm *g, __m512i acc, __m512i comp, __m512 ws, __mmask16 mask, int64_t m, int64_t n,
+                      const int out_dt) {
+    const __m512i v = _mm512_sub_epi32(acc, comp);
+    if (out_dt == OUT_I32) {
         _mm512_mask_storeu_epi32((int32_t *)g->y + m * g->N + n, mask, v);
         return;
     }
-    const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(g->x_scale[m])),
-                                   _mm512_maskz_loadu_ps(mask, g->w_scale + n));
-    if (g->out_dt == OUT_F32) {
+    const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(g->x_scale[m])), ws);
+    if (out_dt == OUT_F32)
         _mm512_mask_storeu_ps((float *)g->y + m * g->N + n, mask, f);
-    } else { /* bf16 bits, rounded as torch's .to(bfloat16) (cpu_simd.h) */
-        vec fv;
-        memcpy(&fv, &f, sizeof fv);
-        const u32vec r = bf16_round_bits(fv) >> 16;
-        __m512i ri;
-        memcpy(&ri, &r, sizeof ri);
-        _mm256_mask_storeu_epi16((uint16_t *)g->y + m * g->N + n, mask, _mm512_cvtepi32_epi16(ri));
+    else
+        store_bf16((uint16_t *)g->y + m * g->N + n, f, mask);
+}
+
+/* Output block (m, n..n+16) from its accumulator: acc - comp, scaled and stored in g->out_dt. */
+INLINE void store_block(const Gemm *g, __m512i acc, int64_t m, int64_t n) {
+    const __mmask16 mask = tail_mask(g->N - n);
+    const __m512i comp = _mm512_maskz_loadu_epi32(mask, g->comp + n);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, g->w_scale + n);
+    switch (g->out_dt) {
+    case OUT_I32: store_row(g, acc, comp, ws, mask, m, n, OUT_I32); break;
+    case OUT_F32: store_row(g, acc, comp, ws, mask, m, n, OUT_F32); break;
+    default: store_row(g, acc, comp, ws, mask, m, n, OUT_BF16);
     }
 }
 
@@ -163,26 +194,117 @@ static void tile_any(const Gemm *g, int64_t m0, int64_t b0, int rows, int cols) 
     }
 }
 
-/* Rows [m0, m1) against the panel of blocks from b0: a thread's task. */
-static void task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0) {
+#if HAVE_AMX
+/* AMX: tiles 0-3 hold C (16 rows x 16 int32 outputs), 4-5 A (16 rows of qx + 128, 64 inputs each),
+ * 6-7 B (16 groups of 4 inputs x 16 outputs: 16 of the packed layout's 64-byte rows, a block's
+ * inputs k..k+63). tdpbusd is vpdpbusd over a whole tile, u8 x s8 into int32, so comp corrects the
+ * sums as before. Kp is a multiple of AMX_K and the quantized rows are padded to a multiple of 16
+ * (q = 0); padded rows are never stored. */
+#define AMX_K 64
+
+/* The 16 x 16 sums of a C tile, rows m0.. (those below M) and outputs n..n+16, stored as y. */
+INLINE void amx_store_rows(const Gemm *g, const int32_t c[16][LANES], int64_t m0, int64_t n, const int out_dt) {
+    const __mmask16 mask = tail_mask(g->N - n);
+    const __m512i comp = _mm512_maskz_loadu_epi32(mask, g->comp + n);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, g->w_scale + n);
+    const int rows = g->M - m0 < 16 ? (int)(g->M - m0) : 16;
+    for (int r = 0; r < rows; r++) store_row(g, _mm512_load_si512(c[r]), comp, ws, mask, m0 + r, n, out_dt);
+}
+
+static void amx_store_tile(const Gemm *g, const int32_t c[16][LANES], int64_t m0, int64_t n) {
+    switch (g->out_dt) {
+    case OUT_I32: amx_store_rows(g, c, m0, n, OUT_I32); break;
+    case OUT_F32: amx_store_rows(g, c, m0, n, OUT_F32); break;
+    default: amx_store_rows(g, c, m0, n, OUT_BF16);
+    }
+}
+
+/* Rows m0..m0 + 16 * ra against the blocks b0..b0 + cb (ra, cb: 1 or 2) over all of Kp, stored. */
+INLINE void amx_tile(const Gemm *g, int64_t m0, int64_t b0, const int ra, const int cb) {
+    const int64_t Kp = g->Kp, block_bytes = Kp * LANES;
+    const uint8_t *a = g->xq + m0 * Kp;
+    const int8_t *b = g->packed + b0 * block_bytes;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < Kp; k += AMX_K) {
+        _tile_loadd(4, a + k, Kp);
+        _tile_loadd(6, b + k * LANES, 64);
+        if (ra > 1) _tile_loadd(5, a + 16 * Kp + k, Kp);
+        if (cb > 1) _tile_loadd(7, b + block_bytes + k * LANES, 64);
+        _tile_dpbusd(0, 4, 6);
+        if (cb > 1) _tile_dpbusd(1, 4, 7);
+        if (ra > 1) _tile_dpbusd(2, 5, 6);
+        if (ra > 1 && cb > 1) _tile_dpbusd(3, 5, 7);
+    }
+    int32_t c[4][16][LANES] __attribute__((aligned(64)));
+    _tile_stored(0, c[0], LANES * 4);
+    _tile_stored(1, c[1], LANES * 4);
+    _tile_stored(2, c[2], LANES * 4);
+    _tile_stored(3, c[3], LANES * 4);
+    for (int j = 0; j < cb; j++)
+        for (int i = 0; i < ra; i++) amx_store_tile(g, c[i * 2 + j], m0 + i * 16, (b0 + j) * LANES);
+}
+
+static void amx_tile_any(const Gemm *g, int64_t m0, int64_t b0, int ra, int cb) {
+    if (ra == 2 && cb == 2) amx_tile(g, m0, b0, 2, 2);
+    else if (ra == 2) amx_tile(g, m0, b0, 2, 1);
+    else if (cb == 2) amx_tile(g, m0, b0, 1, 2);
+    else amx_tile(g, m0, b0, 1, 1);
+}
+
+/* Rows [m0, m1) against the panel of up to AMX_NR blocks from b0, 32 rows x 32 outputs at a time:
+ * a wide panel, so the 32 rows' tiles are read from L1 again for each pair of blocks. */
+static void amx_task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0) {
+    const int64_t num_blocks = (g->N + LANES - 1) / LANES;
+    const int64_t b1 = b0 + AMX_NR < num_blocks ? b0 + AMX_NR : num_blocks;
+    for (int64_t m = m0; m < m1; m += 32)
+        for (int64_t b = b0; b < b1; b += 2) amx_tile_any(g, m, b, m1 - m > 16 ? 2 : 1, b1 - b > 1 ? 2 : 1);
+}
+#endif
+
+/* Rows [m0, m1) against the panel of blocks from b0 (NR of them, AMX_NR with AMX): a thread's task. */
+static void task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0, int use_amx) {
+#if HAVE_AMX
+    if (use_amx) {
+        amx_task(g, m0, m1, b0);
+        return;
+    }
+#endif
+    (void)use_amx;
     const int64_t num_blocks = (g->N + LANES - 1) / LANES;
     const int cols = num_blocks - b0 < NR ? (int)(num_blocks - b0) : NR;
     for (int64_t m = m0; m < m1; m += MR) tile_any(g, m, b0, m1 - m < MR ? (int)(m1 - m) : MR, cols);
 }
 
+/* Whether a call multiplies with AMX: asked for, or (auto) where it runs and M has enough rows
+ * to fill its tiles. */
+static int choose_amx(int64_t isa, int64_t M) {
+    if (isa == ISA_VNNI) return 0;
+    if (isa == ISA_AMX) return 1;
+    return rayllm_int8_amx_available() && M >= AMX_MIN_M;
+}
+
 /* y [M, N] (type out_dt, contiguous) from x [M, K] (type x_dt, rows x_stride elements apart).
  * static_scale: one input scale, or NULL for per-token scales; x_scale_out: [M], the scales
- * used (for the int32 output's caller). Returns OK, or ERR_NOMEM / ERR_DTYPE (y untouched). */
+ * used (for the int32 output's caller); isa: ISA_AUTO, or ISA_VNNI / ISA_AMX to pick. Returns
+ * OK, or ERR_NOMEM / ERR_DTYPE / ERR_NO_AMX (y untouched). */
 int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
                           const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
-                          void *y, int64_t out_dt, float *x_scale_out) {
+                          void *y, int64_t out_dt, float *x_scale_out, int64_t isa) {
     if ((x_dt != DT_F32 && x_dt != DT_BF16) || (out_dt != OUT_F32 && out_dt != OUT_BF16 && out_dt != OUT_I32))
         return ERR_DTYPE;
-    const int64_t Kp = (K + 3) / 4 * 4, esize = x_dt == DT_F32 ? 4 : 2;
-    uint8_t *xq = aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
+    const int use_amx = choose_amx(isa, M);
+    if (use_amx && !rayllm_int8_amx_available()) return ERR_NO_AMX;
+    const int64_t Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN, esize = x_dt == DT_F32 ? 4 : 2;
+    const int64_t Mp = use_amx ? (M + 15) / 16 * 16 : M; /* AMX reads whole tiles of 16 rows */
+    uint8_t *xq = aligned_alloc(64, (size_t)((Mp * Kp + 63) / 64 * 64));
     if (!xq) return ERR_NOMEM;
+    memset(xq + M * Kp, 128, (size_t)((Mp - M) * Kp));
     const Gemm g = {xq, x_scale_out, packed, comp, w_scale, y, M, N, Kp, out_dt};
-    const int64_t num_panels = ((N + LANES - 1) / LANES + NR - 1) / NR, num_chunks = (M + MC - 1) / MC;
+    const int64_t panel = use_amx ? AMX_NR : NR, num_chunks = (M + MC - 1) / MC;
+    const int64_t num_panels = ((N + LANES - 1) / LANES + panel - 1) / panel;
 #pragma omp parallel if (M * N * K >= PARALLEL_MIN_MACS)
     {
 #pragma omp for schedule(static)
@@ -190,10 +312,16 @@ int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_
             x_scale_out[m] = quantize_row_any((const char *)x + m * x_stride * esize, K, Kp, static_scale,
                                               xq + m * Kp, x_dt);
         /* the implicit barrier: every row is quantized before any tile reads it */
+#if HAVE_AMX
+        if (use_amx) amx_load_full_tiles();
+#endif
 #pragma omp for collapse(2) schedule(static)
         for (int64_t c = 0; c < num_chunks; c++)
             for (int64_t p = 0; p < num_panels; p++)
-                task(&g, c * MC, (c + 1) * MC < M ? (c + 1) * MC : M, p * NR);
+                task(&g, c * MC, (c + 1) * MC < M ? (c + 1) * MC : M, p * panel, use_amx);
+#if HAVE_AMX
+        if (use_amx) _tile_release();
+#endif
     }
     free(xq);
     return OK;
@@ -201,9 +329,9 @@ int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_
 #else
 int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
                           const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
-                          void *y, int64_t out_dt, float *x_scale_out) {
+                          void *y, int64_t out_dt, float *x_scale_out, int64_t isa) {
     (void)x, (void)M, (void)x_stride, (void)x_dt, (void)static_scale, (void)packed, (void)comp, (void)w_scale;
-    (void)K, (void)N, (void)y, (void)out_dt, (void)x_scale_out;
+    (void)K, (void)N, (void)y, (void)out_dt, (void)x_scale_out, (void)isa;
     return ERR_NO_VNNI;
 }
 #endif

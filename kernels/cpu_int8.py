@@ -1,14 +1,19 @@
-"""INT8 W8A8 linear on CPU with AVX-512 VNNI (kernels/cpu_int8.c), called through ctypes.
+"""INT8 W8A8 linear on CPU with AVX-512 VNNI or AMX (kernels/cpu_int8.c), called through ctypes.
 
     pack_int8_vnni(q [N, K] int8, scale [N] fp32) -> CpuInt8Weights       once, at load
-    int8_linear_cpu(x [M, K], w, input_scale=None) -> [M, N] in x's dtype
-    int8_matmul_s32_cpu(x, w, input_scale=None) -> (acc int32 [M, N], x_scale fp32 [M, 1])
+    int8_linear_cpu(x [M, K], w, input_scale=None, isa="auto") -> [M, N] in x's dtype
+    int8_matmul_s32_cpu(x, w, input_scale=None, isa="auto") -> (acc int32 [M, N], x_scale fp32 [M, 1])
 
 x is fp32 or bf16. Without `input_scale` each row of x is quantized by its own absmax / 127 (per
 token, dynamic); with it ([1] fp32, a checkpoint's static scale) every row by that. Then
 acc = qx @ q^T in int32, and y = acc * x_scale * scale, all inside one C call: the quantized
 activations never leave it. `int8_matmul_s32_cpu` stops at acc (what `torch._int_mm` gives) and
 hands back the scales it used.
+
+`isa`: "auto" multiplies with AMX tiles where this CPU and kernel offer them (`amx_available()`)
+and the call has at least 8 rows, with AVX-512 VNNI otherwise; "vnni" or "amx" picks one (a
+benchmark's comparison; "amx" raises where AMX does not run). Both give the same int32 sums, so
+the same output, bit for bit. One packed layout serves both.
 
 `available()` is False where the C library is disabled or unbuildable, or this CPU lacks AVX-512
 VNNI (the build is -march=native, so the library itself says); callers keep their torch path
@@ -29,17 +34,20 @@ _LIB_NAME = "cpu_int8"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_int8.c
     "rayllm_int8_vnni_available": ([], ctypes.c_int),
-    "rayllm_int8_w8a8_gemm": ([_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P], ctypes.c_int),
+    "rayllm_int8_amx_available": ([], ctypes.c_int),
+    "rayllm_int8_w8a8_gemm": ([_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P, _I], ctypes.c_int),
 }
 LANES = 16  # outputs per packed block (cpu_int8.c)
 K_GROUP = 4  # inputs per lane per vpdpbusd
+K_ALIGN = 64  # K is padded with zeros to a multiple of this: whole AMX tiles (cpu_int8.c)
+ISAS = {"auto": 0, "vnni": 1, "amx": 2}  # cpu_int8.c's ISA_*
 # Largest K whose int32 sums cannot overflow: |sum (qx + 128) * w| <= K * 255 * 128 < 2^31.
 MAX_K = (2**31 - 1) // (255 * 128)
 X_DTYPES = (torch.float32, torch.bfloat16)
 # Input and output types: cpu_simd.h's DT_* codes, and cpu_int8.c's OUT_I32 for the int32 sums.
 _DTYPE_CODES = {**{t: DT_CODES[t] for t in X_DTYPES}, torch.int32: 3}
 _ERRORS = {1: "this CPU build has no AVX-512 VNNI", 2: "out of memory for the quantized activations",
-           3: "a dtype the kernel does not take"}
+           3: "a dtype the kernel does not take", 4: "AMX does not run here (see amx_available())"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,11 +62,17 @@ def available() -> bool:
     return _lib() is not None
 
 
+def amx_available() -> bool:
+    """Whether the kernel can multiply with AMX tiles here (built with AMX-INT8, and Linux let
+    this process use them)."""
+    return available() and bool(_lib().rayllm_int8_amx_available())
+
+
 @dataclass
 class CpuInt8Weights:
     """The kernel's layout (cpu_int8.c), checked once here: calls check only x."""
 
-    packed: torch.Tensor  # [Np / 16, Kp / 4, 16, 4] int8, zero-padded
+    packed: torch.Tensor  # [Np / 16, Kp / 4, 16, 4] int8, zero-padded (Kp: K rounded up to K_ALIGN)
     comp: torch.Tensor    # [N] int32: 128 * sum_k q[n, k]
     scale: torch.Tensor   # [N] float32
     in_features: int      # K
@@ -67,7 +81,7 @@ class CpuInt8Weights:
         n, k = self.shape
         if not 0 < k <= MAX_K:
             raise ValueError(f"in_features must be in 1..{MAX_K} (int32 sums); got {k}")
-        blocks, groups = -(-n // LANES), -(-k // K_GROUP)
+        blocks, groups = -(-n // LANES), -(-k // K_ALIGN) * K_ALIGN // K_GROUP
         expected = dict(packed=(torch.int8, (blocks, groups, LANES, K_GROUP)), comp=(torch.int32, (n,)),
                         scale=(torch.float32, (n,)))
         for name, (dtype, shape) in expected.items():
@@ -91,7 +105,7 @@ def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> CpuInt8Weights:
     if not isinstance(scale, torch.Tensor) or scale.numel() != n or not scale.is_floating_point():
         raise ValueError(f"scale must be a float tensor of {n} entries (one per output); got "
                          f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
-    blocks, groups = -(-n // LANES), -(-k // K_GROUP)
+    blocks, groups = -(-n // LANES), -(-k // K_ALIGN) * K_ALIGN // K_GROUP
     padded = torch.zeros(blocks * LANES, groups * K_GROUP, dtype=torch.int8)
     padded[:n, :k] = q
     # [Np, Kp] -> [Np / 16, 16, Kp / 4, 4] -> [Np / 16, Kp / 4, 16, 4]: a block's 4-input groups in turn
@@ -100,8 +114,10 @@ def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> CpuInt8Weights:
     return CpuInt8Weights(packed, comp, scale.detach().float().reshape(n).contiguous(), k)
 
 
-def _check(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None) -> None:
-    """ValueError naming x or input_scale when the kernel cannot take it (the weights were checked once)."""
+def _check(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None, isa: str) -> None:
+    """ValueError naming x, input_scale or isa when the kernel cannot take it (the weights were checked once)."""
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {sorted(ISAS)}; got {isa!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in X_DTYPES or x.device.type != "cpu":
         got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a 2-D float32 or bfloat16 CPU tensor; got {got}")
@@ -115,8 +131,8 @@ def _check(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None)
 
 
 def _gemm(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None,
-          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(x, w, input_scale)
+          out_dtype: torch.dtype, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, w, input_scale, isa)
     lib = _lib()
     if lib is None:
         raise RuntimeError("the CPU int8 VNNI kernel is not available (disabled, no C compiler, or no AVX-512 VNNI)")
@@ -129,21 +145,23 @@ def _gemm(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None,
         err = lib.rayllm_int8_w8a8_gemm(
             x.data_ptr(), m, x.stride(0), _DTYPE_CODES[x.dtype],
             None if input_scale is None else input_scale.data_ptr(), w.packed.data_ptr(), w.comp.data_ptr(),
-            w.scale.data_ptr(), w.in_features, n, y.data_ptr(), _DTYPE_CODES[out_dtype], x_scale.data_ptr())
+            w.scale.data_ptr(), w.in_features, n, y.data_ptr(), _DTYPE_CODES[out_dtype], x_scale.data_ptr(),
+            ISAS[isa])
         if err:
             raise (MemoryError if err == 2 else RuntimeError)(f"cpu_int8: {_ERRORS.get(err, err)}")
     return y, x_scale
 
 
-def int8_linear_cpu(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_cpu(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None = None,
+                    isa: str = "auto") -> torch.Tensor:
     """x [M, K] fp32 / bf16 -> (quantized x) @ (q * scale)^T as [M, N] in x's dtype."""
-    return _gemm(x, w, input_scale, x.dtype if isinstance(x, torch.Tensor) else torch.float32)[0]
+    return _gemm(x, w, input_scale, x.dtype if isinstance(x, torch.Tensor) else torch.float32, isa)[0]
 
 
-def int8_matmul_s32_cpu(x: torch.Tensor, w: CpuInt8Weights,
-                        input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_matmul_s32_cpu(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None = None,
+                        isa: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (qx @ q^T as int32 [M, N], the x_scale [M, 1] fp32 each row was quantized by)."""
-    return _gemm(x, w, input_scale, torch.int32)
+    return _gemm(x, w, input_scale, torch.int32, isa)
 
 
 def quantize_reference(x: torch.Tensor, input_scale: torch.Tensor | None = None):

@@ -130,11 +130,23 @@ class TorchInt8W8A8(Int8W8A8LinearMethod):
         return w8a8_linear_torch
 
 
+class VnniInt8W8A8(Int8W8A8LinearMethod):
+    """The C kernel held to AVX-512 VNNI at every row count (what a CPU without AMX runs): the
+    AMX tiles' baseline."""
+
+    def choose_matmul(self, layer: nn.Module):
+        if super().choose_matmul(layer) is w8a8_linear_torch:
+            return w8a8_linear_torch
+        return lambda layer, x, input_scale: cpu_int8.int8_linear_cpu(x, layer.vnni, input_scale, isa="vnni")
+
+
 def _int8_w8a8(method: type[Int8W8A8LinearMethod]):
     """compressed-tensors' int8 channel-wise, dynamic per-token activations, through `method`."""
     def make(w):
-        if method is Int8W8A8LinearMethod and not cpu_int8.available():
+        if method is not TorchInt8W8A8 and not cpu_int8.available():
             raise Unsupported("no AVX-512 VNNI here (or no C compiler): the layer would take the torch path")
+        if method is Int8W8A8LinearMethod and not cpu_int8.amx_available():
+            raise Unsupported("no AMX here: the layer runs VNNI, the variant before it")
         q, scale = quantize_per_channel(w)
         build = lambda: _layer(lambda _: method("channel", static_input_scale=False),  # noqa: E731
                                w.shape, {"weight": q, "weight_scale": scale[:, None]})
@@ -190,7 +202,9 @@ VARIANTS = {
     "FP8 W8A16": Variant(_fp8, 1e-4, "fp32 math on the dequantized FP8 weight"),
     "int8 W8A16": Variant(_int8_w8a16, 1e-2, "activations and output rounded to bf16"),
     "int8 W8A8": Variant(_int8_w8a8(TorchInt8W8A8), 5e-2, "activations quantized to int8 per token"),
-    "int8 W8A8 VNNI": Variant(_int8_w8a8(Int8W8A8LinearMethod), 5e-2, "activations quantized to int8 per token"),
+    "int8 W8A8 VNNI": Variant(_int8_w8a8(VnniInt8W8A8), 5e-2, "activations quantized to int8 per token"),
+    "int8 W8A8 AMX": Variant(_int8_w8a8(Int8W8A8LinearMethod), 5e-2,
+                             "activations quantized to int8 per token (AMX from 8 rows, VNNI below)"),
     "int4 AWQ g128": Variant(_awq, 1e-4, "fp32 math on the dequantized int4 weight"),
     "GGUF Q4_K": Variant(_gguf(Q4_K), 1e-4, "fp32 math on the dequantized blocks"),
     "GGUF Q8_0": Variant(_gguf(Q8_0), 1e-4, "fp32 math on the dequantized blocks"),
@@ -360,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.inference_mode():
         results = [r for shape in args.shapes for r in shape_rows(shape, args.rows, args.variants, args, gen)]
     kernels = {"cpu_fp8": cpu_fp8.available(), "cpu_int4": cpu_int4.available(), "cpu_gguf": cpu_gguf.available(),
-               "cpu_int8_vnni": cpu_int8.available(),
+               "cpu_int8_vnni": cpu_int8.available(), "cpu_int8_amx": cpu_int8.amx_available(),
                "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
     report = {**base_metadata(sys.argv if argv is None else ["cpu_quant_bench", *argv]),
               "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "stream": args.stream,

@@ -1,4 +1,4 @@
-"""The CPU int8 W8A8 VNNI kernel (kernels.cpu_int8) against torch: per-token quantization as
+"""The CPU int8 W8A8 kernel (kernels.cpu_int8), with VNNI and with AMX tiles, against torch: per-token quantization as
 engine/layers/quantization/int8.py's quantize_per_token then `torch._int_mm`, the int32 sums equal,
 the scaled output equal too (the same fp32 operations in the same order); odd shapes, fp32 and bf16
 activations, static and dynamic scales, zero rows, round-half-even, the +128 offset's correction;
@@ -15,6 +15,7 @@ from engine.layers.quantization.int8 import quantize_per_channel, quantize_per_t
 from kernels import cpu_build, cpu_int8
 
 needs_kernel = pytest.mark.skipif(not cpu_int8.available(), reason="no AVX-512 VNNI here, or no C compiler")
+ISAS = ["vnni", pytest.param("amx", marks=pytest.mark.skipif(not cpu_int8.amx_available(), reason="no AMX here"))]
 # (in, out): in not a multiple of 64 (nor of 4: a padded last group), out not a multiple of 16
 # (a short last block; 200: three full panels of 64 outputs and a panel of one block).
 SHAPES = [(96, 200), (70, 37), (1030, 16), (3, 5)]
@@ -46,7 +47,8 @@ def torch_reference(x, q, scale, input_scale):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("static", [False, True])
-def test_matches_quantize_then_int_mm(k, n, rows, dtype, static):
+@pytest.mark.parametrize("isa", ISAS)
+def test_matches_quantize_then_int_mm(k, n, rows, dtype, static, isa):
     q, scale = make_weight(n, k, seed=k + n)
     x = make_x(rows, k, dtype, seed=rows)
     # A static scale that clips the largest inputs (|x| up to ~4 sigma of 3 against 127 * 0.06 = 7.6).
@@ -54,11 +56,11 @@ def test_matches_quantize_then_int_mm(k, n, rows, dtype, static):
     w = cpu_int8.pack_int8_vnni(q, scale)
     acc_ref, x_scale_ref, y_ref = torch_reference(x, q, scale, input_scale)
 
-    acc, x_scale = cpu_int8.int8_matmul_s32_cpu(x, w, input_scale)
+    acc, x_scale = cpu_int8.int8_matmul_s32_cpu(x, w, input_scale, isa=isa)
     assert acc.dtype == torch.int32 and torch.equal(acc, acc_ref)
     assert torch.equal(x_scale, x_scale_ref)
 
-    y = cpu_int8.int8_linear_cpu(x, w, input_scale)
+    y = cpu_int8.int8_linear_cpu(x, w, input_scale, isa=isa)
     assert y.dtype == dtype and y.shape == (rows, n)
     # Tolerance 0: the same int32 sums, then acc * x_scale * w_scale in fp32 in torch's order and
     # one rounding to x's dtype.
@@ -125,11 +127,12 @@ def test_strided_rows_and_largest_sums():
 
 
 def test_the_packed_layout():
-    """packed[b, g, l, j] = q[16 b + l, 4 g + j], zeros past N and K; comp = 128 * row sums."""
+    """packed[b, g, l, j] = q[16 b + l, 4 g + j], zeros past N and past K (K padded to whole AMX
+    tiles of 64 inputs); comp = 128 * row sums."""
     q, scale = make_weight(37, 70, seed=5)
     w = cpu_int8.pack_int8_vnni(q, scale[:, None])
-    assert w.packed.shape == (3, 18, 16, 4) and w.shape == (37, 70)
-    flat = w.packed.transpose(1, 2).reshape(48, 72)
+    assert w.packed.shape == (3, 32, 16, 4) and w.shape == (37, 70)
+    flat = w.packed.transpose(1, 2).reshape(48, 128)
     assert torch.equal(flat[:37, :70], q) and not flat[37:].any() and not flat[:, 70:].any()
     assert torch.equal(w.comp, q.sum(1, dtype=torch.int32) * 128)
     assert torch.equal(w.scale, scale)
@@ -151,6 +154,8 @@ def test_the_packed_layout():
     (lambda w: cpu_int8.CpuInt8Weights(w.packed[:, :8], w.comp, w.scale, 64), r"packed must .* \(1, 16, 16, 4\)"),
     (lambda w: cpu_int8.CpuInt8Weights(w.packed, w.comp, w.scale, cpu_int8.MAX_K + 1),
      f"in_features must be in 1..{cpu_int8.MAX_K} .* got {cpu_int8.MAX_K + 1}"),
+    (lambda w: cpu_int8.int8_linear_cpu(torch.randn(2, 64), w, isa="avx2"),
+     r"isa must be one of \['amx', 'auto', 'vnni'\]; got 'avx2'"),
 ])
 def test_bad_arguments_are_named(call, named):
     w = cpu_int8.pack_int8_vnni(*make_weight(16, 64, seed=0))
@@ -169,7 +174,31 @@ def test_a_build_without_vnni_says_so(tmp_path):
                                                       "-fPIC"]) is None
     lib = ctypes.CDLL(str(target))
     assert lib.rayllm_int8_vnni_available() == 0
-    assert lib.rayllm_int8_w8a8_gemm(*[None] * 13) == 1  # ERR_NO_VNNI, nothing touched
+    assert lib.rayllm_int8_w8a8_gemm(*[None] * 14) == 1  # ERR_NO_VNNI, nothing touched
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("cc") is None, reason="a C compiler is needed to build without AMX")
+def test_a_build_without_amx_multiplies_with_vnni(tmp_path):
+    """Built for a CPU with VNNI but no AMX, the library says so, refuses isa="amx" (ERR_NO_AMX)
+    and still multiplies on auto, with every row count."""
+    source = Path(cpu_int8.__file__).with_name("cpu_int8.c")
+    target = tmp_path / "cpu_int8_noamx.so"
+    assert cpu_build._compile("cc", source, target, ["-O1", "-march=native", "-mno-amx-tile", "-mno-amx-int8",
+                                                      "-shared", "-fPIC"]) is None
+    lib = cpu_build.bind_signatures(ctypes.CDLL(str(target)), cpu_int8._SIGNATURES)
+    assert lib.rayllm_int8_vnni_available() == 1 and lib.rayllm_int8_amx_available() == 0
+    q, scale = make_weight(40, 96, seed=2)
+    w = cpu_int8.pack_int8_vnni(q, scale)
+    for rows, isa, expected in [(3, 0, 0), (64, 0, 0), (64, 2, 4)]:
+        x = make_x(rows, 96, torch.float32, seed=rows)
+        acc = torch.zeros(rows, 40, dtype=torch.int32)
+        x_scale = torch.empty(rows)
+        err = lib.rayllm_int8_w8a8_gemm(x.data_ptr(), rows, 96, 0, None, w.packed.data_ptr(), w.comp.data_ptr(),
+                                        w.scale.data_ptr(), 96, 40, acc.data_ptr(), 3, x_scale.data_ptr(), isa)
+        assert err == expected
+        if not err:
+            assert torch.equal(acc, torch_reference(x, q, scale, None)[0])
 
 
 def test_unavailable_where_the_library_has_no_vnni(monkeypatch):
@@ -182,6 +211,7 @@ def test_unavailable_where_the_library_has_no_vnni(monkeypatch):
 
     class NoVnniLibrary:
         rayllm_int8_vnni_available = Fn(0)
+        rayllm_int8_amx_available = Fn(0)
         rayllm_int8_w8a8_gemm = Fn(1)
 
     monkeypatch.setattr(cpu_int8, "load_kernel_library", lambda name: NoVnniLibrary())

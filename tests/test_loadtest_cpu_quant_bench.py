@@ -19,7 +19,8 @@ def test_tiny_run_times_every_variant_against_the_peer(tmp_path, capsys):
     assert len(cells) == len(rows) == 2 * 2 * len(bench.VARIANTS)
     skipped = {(s, v) for (s, _, v), r in cells.items() if "skipped" in r}
     no_vnni = set() if cpu_int8.available() else {(s, "int8 W8A8 VNNI") for s in ((256, 32), (96, 16))}
-    assert skipped == {((96, 16), "int4 AWQ g128"), ((96, 16), "GGUF Q4_K")} | no_vnni
+    no_amx = set() if cpu_int8.amx_available() else {(s, "int8 W8A8 AMX") for s in ((256, 32), (96, 16))}
+    assert skipped == {((96, 16), "int4 AWQ g128"), ((96, 16), "GGUF Q4_K")} | no_vnni | no_amx
     timed = [r for r in rows if "skipped" not in r]
     assert all(r["best_ms"] > 0 and r["median_ms"] >= r["best_ms"] and r["copies"] == 1 for r in timed)
     assert all(r["max_rel_error"] <= r["tolerance"] for r in timed)
@@ -56,9 +57,20 @@ def test_a_wrong_variant_stops_the_run(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not cpu_int8.available(), reason="no AVX-512 VNNI here, or no C compiler")
 def test_a_wrong_vnni_kernel_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_int8, "int8_linear_cpu", lambda x, w, s: torch.zeros(x.shape[0], w.shape[0]))
+    monkeypatch.setattr(cpu_int8, "int8_linear_cpu", lambda x, w, s, isa="auto": torch.zeros(x.shape[0], w.shape[0]))
     with pytest.raises(RuntimeError, match=r"int8 W8A8 VNNI, 256x32, 1 rows: output differs"):
         bench.main(["--shapes", "256x32", "--rows", "1", "--repeats", "1", "--variants", "int8 W8A8 VNNI",
+                    "--out", str(tmp_path / "b.json")])
+
+
+@pytest.mark.skipif(not cpu_int8.amx_available(), reason="no AMX here")
+def test_a_wrong_amx_tile_stops_the_run(tmp_path, monkeypatch):
+    """The AMX variant runs the kernel on auto: a wrong result from 8 rows on is caught."""
+    real = cpu_int8.int8_linear_cpu
+    monkeypatch.setattr(cpu_int8, "int8_linear_cpu",
+                        lambda x, w, s, isa="auto": real(x, w, s, isa) * (1 if x.shape[0] < 8 else 2))
+    with pytest.raises(RuntimeError, match=r"int8 W8A8 AMX, 256x32, 8 rows: output differs"):
+        bench.main(["--shapes", "256x32", "--rows", "1,8", "--repeats", "1", "--variants", "int8 W8A8 AMX",
                     "--out", str(tmp_path / "b.json")])
 
 

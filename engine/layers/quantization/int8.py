@@ -14,7 +14,8 @@ loadtest.cpu_quant_bench`, figures in docs/benchmarks.md):
   the weight is widened to bf16 for one bf16 matmul (a temporary, per call) and the scale applied
   to its output.
 - W8A8: with AVX-512 VNNI, one C call (kernels/cpu_int8.py) quantizes the activations, multiplies
-  u8 x s8 into int32 (vpdpbusd) on a weight repacked once at load, and scales; the same numbers as
+  u8 x s8 into int32 (vpdpbusd, or AMX tiles from 8 rows where the CPU has them) on a weight
+  repacked once at load, and scales; the same numbers as
   the torch path below, which runs on a CPU without VNNI: the activations quantized by torch ops,
   then `torch._int_mm` on the int8 weight's transposed view, int32 accumulate, then both scales.
 CUDA (untested here: no GPU on the dev box): W8A8 through the torch path's `_int_mm`; W8A16 widens
@@ -209,7 +210,7 @@ def w8a8_linear_vnni(layer: nn.Module, x: torch.Tensor, input_scale: torch.Tenso
 
 def _repack_for_vnni(layer: nn.Module) -> None:
     """`weight` [out, in] int8 -> `weight_packed` in the VNNI kernel's layout (the same bytes, padded
-    to 16 outputs and 4 inputs) and `weight_comp`, its +128 offset's correction; `layer.vnni` views
+    to 16 outputs and 64 inputs) and `weight_comp`, its +128 offset's correction; `layer.vnni` views
     them and `weight_scale` for the kernel's calls."""
     w = cpu_int8.pack_int8_vnni(layer.weight.data, layer.weight_scale.data)
     del layer.weight  # the [out, in] copy goes; the packed one holds the same bytes
