@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ MARKER = "VLLM_PEER "
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "w8a8")
 BINDS = ("auto", "all")  # vLLM's OpenMP binding: its default, or every core
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception): .*")
 
 
 def vllm_env(python: str, bind: str) -> dict[str, str]:
@@ -60,6 +62,15 @@ def vllm_env(python: str, bind: str) -> dict[str, str]:
     return env
 
 
+class VllmFailed(RuntimeError):
+    """A vLLM process that gave no result. `cause`: the first error line it printed (vLLM's root
+    cause comes before the engine core's and the client's), else its last line."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
 def run_vllm(python: str, model: Path, dtype: str, bind: str, workload: Path, timeout_s: float) -> dict:
     """One fresh vLLM process: load, warm up, one timed round. {wall_s, cpu_s, token_ids}."""
     proc = subprocess.run([python, str(RUNNER), "--model", str(model), "--dtype", dtype, "--workload",
@@ -67,9 +78,33 @@ def run_vllm(python: str, model: Path, dtype: str, bind: str, workload: Path, ti
                           env=vllm_env(python, bind), timeout=timeout_s)
     lines = [line[len(MARKER):] for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-        raise RuntimeError(f"vLLM ({dtype}, bind {bind}) exited with {proc.returncode}:\n{tail}")
+        output = (proc.stdout + proc.stderr).splitlines()
+        errors = [m.group(0) for line in output if (m := ERROR_LINE.search(line))]
+        cause = errors[0] if errors else (output[-1] if output else "no output")
+        tail = "\n".join(output[-25:])
+        raise VllmFailed(f"vLLM ({dtype}, bind {bind}) exited with {proc.returncode}: {cause}\n{tail}", cause)
     return json.loads(lines[-1])
+
+
+def vllm_round(args: argparse.Namespace, model: Path, workload: Path, best: dict, failed: dict, r: int) -> None:
+    """Every vLLM variant once, each fastest run kept in `best`. A variant vLLM cannot run on this
+    host (its CPU W8A8 kernel on AMX takes bf16 / fp16 activations only) goes into `failed` with
+    its cause and is not tried again; the report lists it."""
+    for dtype in args.vllm_dtype:
+        for quant in args.quantization:
+            for bind in args.vllm_bind:
+                name = f"{variant_name(dtype, quant)} bind={bind}"
+                if name in failed:
+                    continue
+                try:
+                    run = run_vllm(args.vllm_python, engine_source(model, quant)[0], dtype, bind, workload,
+                                   args.vllm_timeout)
+                except VllmFailed as exc:
+                    failed[name] = exc.cause
+                    progress(f"round {r + 1}: vLLM {name} failed: {exc.cause}")
+                    continue
+                progress(f"round {r + 1}: vLLM {name}: {run['wall_s']:.1f} s")
+                _keep_best(best, f"vllm {name}", run)
 
 
 def _keep_best(best: dict, name: str, run: dict) -> None:
@@ -103,7 +138,8 @@ def summary_table(report: dict) -> str:
     rows.append([f"ours best ({report['best']['ours']}) / vLLM best ({report['best']['vllm']})",
                  f"{report['ours_best_vs_vllm_best']:.2f}x", "", "", ""])
     rows += [[f"ours / vLLM at {d}", f"{r:.2f}x", "", "", ""] for d, r in report["ours_vs_vllm_by_dtype"].items()]
-    return format_table(["variant", "tok/s", "wall s", "CPU share", "greedy differing from first"], rows)
+    table = format_table(["variant", "tok/s", "wall s", "CPU share", "greedy differing from first"], rows)
+    return "\n".join([table, *(f"vllm {name} failed: {cause}" for name, cause in report.get("vllm_failed", {}).items())])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -155,20 +191,17 @@ def main(argv: list[str] | None = None) -> dict:
     ours_args = SimpleNamespace(dtype=args.dtype, quantization=args.quantization, rounds=1, seed=args.seed,
                                 max_num_batched_tokens=None, num_kv_blocks=None, kv_offload_gb=None)
     best: dict[str, dict] = {}
+    failed: dict[str, str] = {}  # vLLM variant -> why it gave no result
     for r in range(args.rounds):
         for name, v in run_ours(model, requests, warmup, ours_args).items():
             _keep_best(best, f"ours {name}", {"wall_s": v["watch"].wall_s, "cpu_s": v["watch"].cpu_s,
                                               "token_ids": v["token_ids"]})
-        for dtype in args.vllm_dtype:
-            for quant in args.quantization:
-                for bind in args.vllm_bind:
-                    name = f"{variant_name(dtype, quant)} bind={bind}"
-                    run = run_vllm(args.vllm_python, engine_source(model, quant)[0], dtype, bind, workload,
-                                   args.vllm_timeout)
-                    progress(f"round {r + 1}: vLLM {name}: {run['wall_s']:.1f} s")
-                    _keep_best(best, f"vllm {name}", run)
+        vllm_round(args, model, workload, best, failed, r)
+    if not any(name.startswith("vllm ") for name in best):
+        raise RuntimeError(f"no vLLM variant ran: {failed}")
     report = run_metadata(["python", "-m", "loadtest.vllm_cpu", *argv])
     report.update(build_report(best, num_useful_tokens(requests), args.threads))
+    report["vllm_failed"] = failed
     report["workload"] = {"num_requests": len(requests), "prompt_len_range": list(PROMPT_LEN),
                           "output_len_range": list(OUTPUT_LEN), "num_useful_output_tokens": num_useful_tokens(requests)}
     write_json(args.out, report)

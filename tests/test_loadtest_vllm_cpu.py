@@ -39,8 +39,39 @@ def test_a_vllm_process_that_fails_raises_with_its_last_lines(tmp_path):
     """The real runner under our Python: no vllm there, so it exits non-zero at the import."""
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps({"requests": [], "warmup": []}))
-    with pytest.raises(RuntimeError, match=r"vLLM \(float32, bind auto\) exited with 1:(.|\n)*No module named 'vllm'"):
+    with pytest.raises(vllm_cpu.VllmFailed,
+                       match=r"vLLM \(float32, bind auto\) exited with 1: ModuleNotFoundError: No module named 'vllm'"):
         vllm_cpu.run_vllm(sys.executable, tmp_path, "float32", "auto", workload, timeout_s=60)
+
+
+FAILING_RUNNER = FAKE_RUNNER.replace("work = json", """with open(os.environ["CALLS"], "a") as f:
+    f.write(args["--dtype"] + " " + args["--model"] + "\\n")
+if args["--dtype"] == "float32" and args["--model"].endswith("-w8a8"):
+    print("(Worker) ERROR RuntimeError: int8_scaled_mm_with_quant: expect A to be bfloat16 or half.")
+    print("RuntimeError: Engine core initialization failed.")
+    sys.exit(1)
+work = json""")
+
+
+def test_a_variant_vllm_cannot_run_is_recorded_and_not_retried(tmp_path, monkeypatch):
+    """vLLM's W8A8 on an AMX host takes bf16 activations only: that variant fails, its root cause
+    is kept, the next round skips it, and every other variant still runs."""
+    runner, calls, workload = tmp_path / "runner.py", tmp_path / "calls", tmp_path / "w.json"
+    runner.write_text(FAILING_RUNNER)
+    workload.write_text(json.dumps({"requests": [{"prompt_token_ids": [1], "max_tokens": 2}], "warmup": []}))
+    monkeypatch.setattr(vllm_cpu, "RUNNER", runner)
+    monkeypatch.setenv("CALLS", str(calls))
+    monkeypatch.setattr(vllm_cpu, "engine_source",  # no checkpoint written: the fake reads only its name
+                        lambda model, quant: (model.with_name(model.name + "-w8a8") if quant == "w8a8" else model, None))
+    args = vllm_cpu.parse_args(["--vllm-python", sys.executable, "--quantization", "none,w8a8", "--vllm-bind", "all"])
+    model = tmp_path / "model-bench"
+    best, failed = {}, {}
+    for r in range(2):
+        vllm_cpu.vllm_round(args, model, workload, best, failed, r)
+    assert failed == {"float32+w8a8 bind=all": "RuntimeError: int8_scaled_mm_with_quant: expect A to be bfloat16 or half."}
+    assert sorted(best) == ["vllm bfloat16 bind=all", "vllm bfloat16+w8a8 bind=all", "vllm float32 bind=all"]
+    assert sum("float32 " in c and c.endswith("-w8a8") for c in calls.read_text().splitlines()) == 1
+    assert len(calls.read_text().splitlines()) == 7  # 3 variants twice, the failing one once
 
 
 def _run(wall_s, tokens):
