@@ -45,6 +45,10 @@
 #define GROUP 8    /* query vectors per group_scores pass: GROUP x CHUNK partial sums on the stack */
 #define PV_GROUP 4 /* query vectors per group_pv call: PV_GROUP x D / CHUNK accumulators in registers */
 #define TILE 128    /* keys per online-softmax step, a multiple of CHUNK */
+/* K and V rows are prefetched this many CHUNKs ahead of the scores (half as many in fp32: the
+ * same bytes): decode reads the cache from memory, block after block in the table's order, and
+ * each block is a jump the hardware prefetcher does not foresee (docs/benchmarks.md). */
+#define PREFETCH_CHUNKS 2
 
 /* Error codes; the Python wrapper turns them into ValueError / MemoryError. */
 #define ERR_SEQ_LEN 1    /* q_len > seq_len or seq_len > max_blocks * block_size */
@@ -83,6 +87,7 @@ typedef struct {
     int64_t *lim;         /* [M] keys before lim are causal for the vector */
     int64_t *lo;          /* [M] keys from lo on are inside its window (0 without one) */
     int64_t *head;        /* [M] its kv head (m / Mh) */
+    int64_t num_keys;     /* keys the item's last row sees: the walk's end */
 } Item;
 
 /* Offset (elements) of key t's row for kv head 0: row t % bs of block table[t / bs]. */
@@ -134,14 +139,26 @@ INLINE void group_scores(const Item *it, int64_t m0, int64_t nm, const void *kb,
     }
 }
 
+/* Prefetch the K and V rows of the CHUNK keys from `key` on (their blocks were checked). */
+INLINE void prefetch_chunk(const Item *it, int64_t key, int64_t stride, int dt) {
+    const int64_t off = key_offset(it, key), bytes = CHUNK * stride * (dt == DT_F32 ? 4 : 2);
+    const char *k = elem_at(it->a->k_cache, off, dt), *v = elem_at(it->a->v_cache, off, dt);
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(v + b);
+    }
+}
+
 /* s[m, j] = q_m . k_{k0 + j} for the kn keys of the tile; -inf where m may not look. */
 INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
     const int64_t stride = it->a->num_kv_heads * D;
     const int fast = it->a->block_size % CHUNK == 0 && D % CHUNK == 0;
     const int grouped = fast && D <= GROUPED_MAX_D;
     const float cap = it->a->soft_cap;
+    const int64_t ahead = (dt == DT_F32 ? PREFETCH_CHUNKS / 2 : PREFETCH_CHUNKS) * CHUNK; /* in bytes alike */
     for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
         const int64_t kb = key_offset(it, k0 + j);
+        if (k0 + j + ahead < it->num_keys) prefetch_chunk(it, k0 + j + ahead, stride, dt);
         if (grouped) /* every vector's dots (a hidden chunk's are overwritten below) */
             for (int64_t h = 0; h < it->a->num_kv_heads; h++)
                 group_scores(it, h * it->Mh, it->Mh, elem_at(it->a->k_cache, kb + h * D, dt), stride, j, D, dt);
@@ -317,6 +334,7 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
         if (it->table[b] < 0 || it->table[b] >= a->num_blocks) return ERR_BLOCK_ID;
     it->Mh = nr * G;
     it->M = a->num_kv_heads * it->Mh;
+    it->num_keys = num_keys;
     for (int64_t m = 0; m < it->M; m++) {
         const int64_t h = m / it->Mh, r = m % it->Mh / G, g = m % G;
         const int64_t src = (q_start + r0 + r) * a->q_stride_tok + (h * G + g) * a->q_stride_head;
@@ -367,7 +385,7 @@ static int run_items(const Args *a, const int64_t *first, int64_t num_items) {
     float *mem = malloc((M * (2 * D + TILE + 2)) * sizeof(float) + 3 * M * sizeof(int64_t));
     int64_t *bounds = (int64_t *)(mem + M * (2 * D + TILE + 2));
     Item it = {a, NULL, 0, 0, mem, mem + M * D, mem + 2 * M * D, mem + M * (2 * D + TILE),
-               mem + M * (2 * D + TILE + 1), bounds, bounds + M, bounds + 2 * M};
+               mem + M * (2 * D + TILE + 1), bounds, bounds + M, bounds + 2 * M, 0};
     int err = mem ? 0 : ERR_NO_MEMORY;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; i++) {
