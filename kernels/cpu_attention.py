@@ -4,7 +4,8 @@ Same contract as kernels.paged_attention, plus optional `key`/`value` (this
 step's new K/V rows). Dispatch:
 
 - fp32, bf16 or fp16 CPU tensors and the kernel built (kernels/cpu_paged_attention.c,
-  see kernels.cpu_build; half types are widened to fp32 in registers): decode rows and chunks of up to KERNEL_MAX_Q_LEN rows run
+  see kernels.cpu_build; half types are widened to fp32 in registers): decode rows and chunks of up to
+  `kernel_max_q_len(dtype)` rows (KERNEL_MAX_Q_LEN; bf16 on a CPU with AMX-BF16, 64) run
   in the C kernel, which reads K/V straight from the cache blocks (no gather
   copy, no padding, online softmax), with or without a cached prefix. A longer
   chunk runs as one SDPA: on `key`/`value` when it has no cached prefix (q_len ==
@@ -23,7 +24,7 @@ import ctypes
 import torch
 
 from kernels._validate import check_paged_attention
-from kernels.cpu_build import load_kernel_library
+from kernels.cpu_build import cpu_flags, load_kernel_library
 from kernels.cpu_dtypes import DT_CODES
 from kernels import cpu_ops
 from kernels._validate import check_store_kv
@@ -35,6 +36,9 @@ _LIB_NAME = "cpu_paged_attention"
 # the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench --only attention` times both
 # either side of this limit (docs/benchmarks.md, "the C attention kernel against SDPA per chunk").
 KERNEL_MAX_Q_LEN = 512
+# bf16 on a CPU with AMX-BF16: SDPA's bf16 matmuls run on AMX tiles there and overtake the
+# kernel from about 64 rows, fresh or with a prefix (docs/benchmarks.md, same command).
+AMX_BF16_KERNEL_MAX_Q_LEN = 64
 # Return codes of rayllm_paged_attention (cpu_paged_attention.c).
 _ERRORS = {
     1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
@@ -74,6 +78,13 @@ def kernel_available() -> bool:
     return _kernel() is not None
 
 
+def kernel_max_q_len(dtype: torch.dtype) -> int:
+    """The most query rows a chunk may have to run in the C kernel; longer chunks run as SDPA."""
+    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        return AMX_BF16_KERNEL_MAX_Q_LEN
+    return KERNEL_MAX_Q_LEN
+
+
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.stride(-1) == 1 else t.to(torch.int32).contiguous()
 
@@ -111,8 +122,8 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
 
 
 def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
-                 query_lens_cpu, scale, out, key, value, opts) -> None:
-    """The chunks the kernel skipped (over KERNEL_MAX_Q_LEN rows), one SDPA each: fresh ones
+                 query_lens_cpu, scale, out, key, value, opts, max_q_len: int) -> None:
+    """The chunks the kernel skipped (over max_q_len rows), one SDPA each: fresh ones
     (q_len == seq_len) on their own new K/V when given, the others over their blocks."""
     seq_l = list(seq_lens_cpu) if seq_lens_cpu is not None else seq_lens.tolist()
     if query_lens_cpu is not None:
@@ -122,7 +133,7 @@ def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 
         q_l = [b - a for a, b in zip(cu, cu[1:])]
     start = 0
     for s, (q_len, seq_len) in enumerate(zip(q_l, seq_l)):
-        if q_len <= KERNEL_MAX_Q_LEN:
+        if q_len <= max_q_len:
             pass
         elif key is not None and q_len == seq_len:
             prefill_fresh(query, key, value, start, q_len, scale, out, opts)
@@ -161,12 +172,12 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     if query.shape[0] == 0 or block_tables.shape[0] == 0:
         return out
     dst = out if out.stride(-1) == 1 else torch.empty(query.shape, dtype=query.dtype)
-    scale = float(softmax_scale)
+    scale, max_q_len = float(softmax_scale), kernel_max_q_len(query.dtype)
     run_kernel(fn, _unit_last_stride(query), k_cache, v_cache, _as_int32(block_tables),
-               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, KERNEL_MAX_Q_LEN, opts)
-    if max_seqlen_q > KERNEL_MAX_Q_LEN:
+               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, max_q_len, opts)
+    if max_seqlen_q > max_q_len:
         _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
-                     query_lens_cpu, scale, dst, key, value, opts)
+                     query_lens_cpu, scale, dst, key, value, opts, max_q_len)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -54,6 +54,13 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them ("avx512_bf16", "amx_bf16", ...); empty
+    where there is no such file."""
+    return frozenset(_cpu_signature().partition(":")[2].split())
+
+
 def _compile(cc: str, source: Path, target: Path, flags: list[str]) -> str | None:
     """Compile into a temp file next to `target`, then rename; returns the error text or None."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@
   kernel's K/V bytes per second as a share of reading the same caches once (`--only decode`).
 - attention: one chunk (8 heads, 4 KV heads, head_dim 64, block 16) through the C
   paged-attention kernel against one SDPA over the gathered blocks
-  (kernels.torch_attention.prefill_cached), either side of KERNEL_MAX_Q_LEN, the q_len
-  up to which kernels/cpu_attention.py uses the kernel.
+  (kernels.torch_attention.prefill_cached), in fp32 and bf16, either side of
+  `kernel_max_q_len(dtype)`, the q_len up to which kernels/cpu_attention.py uses the kernel
+  (512; 64 for bf16 on a CPU with AMX-BF16).
 
 Peers alternate within each repeat; times are medians. The ratio column (peer / ours,
 above 1: ours is faster) is the figure; absolute CPU times vary with the box.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.cpu_gemm import can_pack, pack, packed_linear
-from kernels.cpu_attention import KERNEL_MAX_Q_LEN, _kernel, run_kernel
+from kernels.cpu_attention import AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, _kernel, kernel_max_q_len, run_kernel
 from kernels.torch_attention import paged_attention_torch, prefill_cached
 from loadtest.report import base_metadata, format_table, write_json
 
@@ -36,9 +37,11 @@ LAYER_SHAPES = [(512, 512 + 2 * 256), (512, 512), (512, 2 * 1408), (1408, 512)]
 NUM_LAYERS = 6
 LINEAR_ROWS = (32, 64, 2048)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
-# (q_len, keys): chunks with a cached prefix, either side of the kernel's limit.
-ATTENTION_CASES = ((16, 216), (100, 250), (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200),
-                   (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
+# (q_len, keys): chunks with a cached prefix, either side of the kernel's limits.
+ATTENTION_CASES = ((16, 216), (AMX_BF16_KERNEL_MAX_Q_LEN, AMX_BF16_KERNEL_MAX_Q_LEN + 200), (100, 250),
+                   (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200), (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+ATTENTION_TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: SDPA rounds P to bf16 before P @ V
 # Decode steps: (sequences, their context lengths' range, dtype, query heads, kv heads, head_dim).
 # The bench model's shape first: the first two fit in a 32 MB L3, the third (~65 MB of K/V) does
 # not, as the engine's six layers do not. Then the demo model's (SmolLM2-135M: 3 query heads per
@@ -86,23 +89,30 @@ def attention_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         print("the C attention kernel is not built (no compiler, or disabled): attention cases skipped")
         return []
     rows = []
-    for q_len, seq_len in ATTENTION_CASES:
-        num_blocks = -(-seq_len // BLOCK)
-        k_cache, v_cache = (torch.randn(num_blocks + 3, BLOCK, KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
-        table = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks].to(torch.int32)[None]
-        query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen)
-        seq_lens, cu = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([0, q_len], dtype=torch.int32)
-        out_k, out_s = torch.empty_like(query), torch.empty_like(query)
-        scale = HEAD_DIM ** -0.5
-        kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
-                                    q_len)
-        sdpa = lambda: prefill_cached(query, k_cache, v_cache, table[0], 0, q_len, seq_len, scale, out_s)  # noqa: E731
-        ours, peer = _median_ms([kernel, sdpa], repeats)
-        torch.testing.assert_close(out_k, out_s, rtol=1e-4, atol=1e-4)  # the same attention, two ways
-        used = "kernel" if q_len <= KERNEL_MAX_Q_LEN else "SDPA"
-        rows.append({"case": f"attention q_len {q_len} over {seq_len} keys (engine: {used})", "ours": "C kernel",
-                     "ours_ms": ours, "peer": "SDPA", "peer_ms": peer, "ratio": peer / ours})
+    for dtype in ATTENTION_DTYPES:
+        rows += [_attention_row(fn, q_len, seq_len, dtype, repeats, gen) for q_len, seq_len in ATTENTION_CASES]
     return rows
+
+
+def _attention_row(fn, q_len: int, seq_len: int, dtype: torch.dtype, repeats: int, gen: torch.Generator) -> dict:
+    num_blocks = -(-seq_len // BLOCK)
+    k_cache, v_cache = (torch.randn(num_blocks + 3, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+                        for _ in "kv")
+    table = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks].to(torch.int32)[None]
+    query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    seq_lens, cu = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([0, q_len], dtype=torch.int32)
+    out_k, out_s = torch.empty_like(query), torch.empty_like(query)
+    scale = HEAD_DIM ** -0.5
+    kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
+                                q_len)
+    sdpa = lambda: prefill_cached(query, k_cache, v_cache, table[0], 0, q_len, seq_len, scale, out_s)  # noqa: E731
+    ours, peer = _median_ms([kernel, sdpa], repeats)
+    tol = ATTENTION_TOLS[dtype]
+    torch.testing.assert_close(out_k, out_s, rtol=tol, atol=tol)  # the same attention, two ways
+    used = "kernel" if q_len <= kernel_max_q_len(dtype) else "SDPA"
+    name = str(dtype).removeprefix("torch.")
+    return {"case": f"attention {name} q_len {q_len} over {seq_len} keys (engine: {used})", "ours": "C kernel",
+            "ours_ms": ours, "peer": "SDPA", "peer_ms": peer, "ratio": peer / ours}
 
 
 def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kernels import cpu_attention, cpu_build
-from kernels.cpu_attention import (KERNEL_MAX_Q_LEN, kernel_available, paged_attention_cpu,
-                                   store_kv_cpu)
+from kernels.cpu_attention import (AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, kernel_available,
+                                   kernel_max_q_len, paged_attention_cpu, store_kv_cpu)
 from kernels.reference import paged_attention_ref, store_kv_ref
 
 TOL = 2e-5  # fp32: summation order only (outputs are ~1)
@@ -71,12 +71,12 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
 
 
 def kernel_rows(batch):
-    """[num_tokens] bool: the rows the C kernel computes (chunks of up to KERNEL_MAX_Q_LEN rows,
+    """[num_tokens] bool: the rows the C kernel computes (chunks of up to kernel_max_q_len rows,
     fresh or with a prefix; longer ones go to SDPA)."""
-    cu = batch["cu_seqlens_q"].tolist()
+    cu, limit = batch["cu_seqlens_q"].tolist(), kernel_max_q_len(batch["query"].dtype)
     rows = torch.zeros(cu[-1], dtype=torch.bool)
     for s in range(len(cu) - 1):
-        rows[cu[s]:cu[s + 1]] = cu[s + 1] - cu[s] <= KERNEL_MAX_Q_LEN
+        rows[cu[s]:cu[s + 1]] = cu[s + 1] - cu[s] <= limit
     return rows
 
 
@@ -183,6 +183,39 @@ def test_fresh_chunks_use_the_new_key_value_rows(dtype):
     out = paged_attention_cpu(**batch, key=key, value=value)
     assert not torch.isnan(out).any(), "the long fresh chunk read the cache"
     assert_close(out, ref, batch, {"key": key})
+
+
+@pytest.mark.parametrize("flags, limits", [
+    ({"avx512_bf16", "amx_tile", "amx_bf16"}, (KERNEL_MAX_Q_LEN, AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN)),
+    ({"avx512_bf16", "amx_int8"}, (KERNEL_MAX_Q_LEN,) * 3),
+])
+def test_the_kernel_limit_per_dtype(monkeypatch, flags, limits):
+    """Only bf16 on a CPU with AMX-BF16 (where SDPA's matmuls run on tiles) hands chunks over 64
+    rows to SDPA; fp32 and fp16 keep the kernel up to KERNEL_MAX_Q_LEN."""
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: frozenset(flags))
+    assert tuple(kernel_max_q_len(t) for t in (torch.float32, torch.bfloat16, torch.float16)) == limits
+
+
+@needs_kernel
+def test_bf16_chunks_over_the_amx_limit_run_as_sdpa(monkeypatch):
+    """With AMX-BF16, a fresh bf16 chunk of 65 rows runs as SDPA on the new rows (its cache blocks
+    poisoned) and a 64-row one with a prefix in the kernel: on any CPU, the flag faked."""
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    lens = [(AMX_BF16_KERNEL_MAX_Q_LEN, 90), (AMX_BF16_KERNEL_MAX_Q_LEN + 1, AMX_BF16_KERNEL_MAX_Q_LEN + 1), (1, 40)]
+    batch = make_batch([q for q, _ in lens], [n for _, n in lens], 4, 2, 64, dtype=torch.bfloat16)
+    q_len = lens[1][0]
+    key, value = (batch[c][batch["block_tables"][1, :-(-q_len // 16)].long()].reshape(-1, 2, 64)[:q_len].clone()
+                  for c in ("k_cache", "v_cache"))
+    ref = paged_attention_ref(**batch)
+    for cache in (batch["k_cache"], batch["v_cache"]):  # the fresh chunk must not read its blocks
+        cache[batch["block_tables"][1, :-(-q_len // 16)].long()] = float("nan")
+    rows = batch["cu_seqlens_q"].tolist()
+    new = torch.zeros(rows[-1], 2, 64, dtype=torch.bfloat16)
+    new[rows[1]:rows[2]], v_new = key, torch.zeros_like(new)
+    v_new[rows[1]:rows[2]] = value
+    out = paged_attention_cpu(**batch, key=new, value=v_new)
+    assert not torch.isnan(out).any(), "the 65-row fresh chunk read the cache: the kernel ran it"
+    assert_close(out, ref, batch, {})
 
 
 def special_values(dtype, n, gen):
