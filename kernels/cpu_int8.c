@@ -1,4 +1,4 @@
-/* INT8 W8A8 linear on CPU with AVX-512 VNNI: y = (qx * x_scale) @ (w * w_scale)^T, the
+/* INT8 W8A8 linear on CPU with AVX-512 VNNI or AMX: y = (qx * x_scale) @ (w * w_scale)^T, the
  * activations quantized to int8 inside the call. Built and loaded like cpu_ops.c
  * (kernels/cpu_build.py); the wrapper, the repacking into this layout and the checks are in
  * kernels/cpu_int8.py. Built for a CPU without AVX-512 VNNI this file holds only
@@ -17,7 +17,7 @@
  * with comp computed once, at load. Every int32 sum is exact (K <= MAX_K: the wrapper checks).
  *
  * Weight layout, once at load: w [N, K] int8 padded with zeros to [Np, Kp] (Np a multiple of 16,
- * Kp of 4), then
+ * Kp of 64), then
  *
  *   packed [Np / 16][Kp / 4][16][4] int8: block b of 16 outputs, inputs k..k+3 of output
  *   b * 16 + l at bytes (k / 4) * 64 + l * 4 .. + 3
@@ -29,6 +29,9 @@
  *   y[m, n] = float(acc - comp[n]) * x_scale[m] * w_scale[n]     (in that order, as torch's
  *   `acc.float() * x_scale * w_scale`), stored in x's dtype (bf16: round to nearest even),
  * or acc - comp itself as int32. Threads split (chunk of MC rows) x (panel of NR blocks).
+ *
+ * With AMX (a CPU with AMX-INT8, Linux's permission granted: cpu_amx.h) calls of AMX_MIN_M rows
+ * or more multiply whole tiles instead, on the same packed bytes (below, amx_tile).
  */
 #include <stdint.h>
 #include <stdlib.h>
