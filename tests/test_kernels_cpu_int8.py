@@ -112,6 +112,21 @@ def test_the_plus_128_offset_is_taken_back():
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_outputs_in_the_denormal_range_round_as_torch(isa):
+    """Weight scales of 1e-42 make fp32 outputs denormal: vcvtneps2bf16 would flush them to 0,
+    so those vectors take the bit arithmetic and equal torch's .to(bfloat16), next to normal ones."""
+    q, scale = make_weight(48, 64, seed=4)
+    scale[:16] = 1e-42  # the first block's outputs are denormal, the others normal
+    x = make_x(16, 64, torch.bfloat16, seed=5)
+    w = cpu_int8.pack_int8_vnni(q, scale)
+    y = cpu_int8.int8_linear_cpu(x, w, isa=isa)
+    ref = torch_reference(x, q, scale, None)[2]
+    assert (ref[:, :16] != 0).any() and (ref[:, :16].float().abs() < torch.finfo(torch.float32).tiny).all()
+    assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
+
+
+@needs_kernel
 def test_strided_rows_and_largest_sums():
     """Rows of x 300 floats apart; extreme weights and activations (every product 127 * 127)."""
     wide = torch.randn(6, 300)
