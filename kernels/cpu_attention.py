@@ -133,11 +133,9 @@ def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, 
         q_l = [b - a for a, b in zip(cu, cu[1:])]
     start = 0
     for s, (q_len, seq_len) in enumerate(zip(q_l, seq_l)):
-        if q_len <= max_q_len:
-            pass
-        elif key is not None and q_len == seq_len:
+        if q_len > max_q_len and key is not None and q_len == seq_len:
             prefill_fresh(query, key, value, start, q_len, scale, out, opts)
-        else:
+        elif q_len > max_q_len:
             prefill_cached(query, k_cache, v_cache, block_tables[s], start, q_len, seq_len, scale, out,
                            opts)
         start += q_len

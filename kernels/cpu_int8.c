@@ -281,14 +281,6 @@ static void task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0, int use_amx)
     for (int64_t m = m0; m < m1; m += MR) tile_any(g, m, b0, m1 - m < MR ? (int)(m1 - m) : MR, cols);
 }
 
-/* Whether a call multiplies with AMX: asked for, or (auto) where it runs and M has enough rows
- * to fill its tiles. */
-static int choose_amx(int64_t isa, int64_t M) {
-    if (isa == ISA_VNNI) return 0;
-    if (isa == ISA_AMX) return 1;
-    return rayllm_int8_amx_available() && M >= AMX_MIN_M;
-}
-
 /* y [M, N] (type out_dt, contiguous) from x [M, K] (type x_dt, rows x_stride elements apart).
  * static_scale: one input scale, or NULL for per-token scales; x_scale_out: [M], the scales
  * used (for the int32 output's caller); isa: ISA_AUTO, or ISA_VNNI / ISA_AMX to pick. Returns
@@ -298,8 +290,10 @@ int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_
                           void *y, int64_t out_dt, float *x_scale_out, int64_t isa) {
     if ((x_dt != DT_F32 && x_dt != DT_BF16) || (out_dt != OUT_F32 && out_dt != OUT_BF16 && out_dt != OUT_I32))
         return ERR_DTYPE;
-    const int use_amx = choose_amx(isa, M);
-    if (use_amx && !rayllm_int8_amx_available()) return ERR_NO_AMX;
+    const int amx = rayllm_int8_amx_available();
+    if (isa == ISA_AMX && !amx) return ERR_NO_AMX;
+    /* AMX when asked for, or on auto where it runs and M has enough rows to fill its tiles */
+    const int use_amx = isa == ISA_AMX || (isa == ISA_AUTO && amx && M >= AMX_MIN_M);
     const int64_t Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN, esize = x_dt == DT_F32 ? 4 : 2;
     const int64_t Mp = use_amx ? (M + 15) / 16 * 16 : M; /* AMX reads whole tiles of 16 rows */
     uint8_t *xq = aligned_alloc(64, (size_t)((Mp * Kp + 63) / 64 * 64));

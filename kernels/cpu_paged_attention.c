@@ -141,7 +141,7 @@ INLINE void group_scores(const Item *it, int64_t m0, int64_t nm, const void *kb,
 
 /* Prefetch the K and V rows of the CHUNK keys from `key` on (their blocks were checked). */
 INLINE void prefetch_chunk(const Item *it, int64_t key, int64_t stride, int dt) {
-    const int64_t off = key_offset(it, key), bytes = CHUNK * stride * (dt == DT_F32 ? 4 : 2);
+    const int64_t off = key_offset(it, key), bytes = CHUNK * stride * dt_size(dt);
     const char *k = elem_at(it->a->k_cache, off, dt), *v = elem_at(it->a->v_cache, off, dt);
     for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(k + b);
