@@ -118,22 +118,15 @@ static float quantize_row_any(const void *x, int64_t K, int64_t Kp, const float 
                         : quantize_row(x, K, Kp, static_scale, xq, DT_BF16);
 }
 
-/* f rounded to bf16 as torch's .to(bfloat16) rounds it, 16 lanes stored at dst. vcvtneps2bf16
- * rounds to nearest even in one instruction, but flushes denormals and quiets NaNs its own way:
- * a vector holding either takes cpu_simd.h's bit arithmetic instead. */
+/* f rounded to bf16 as torch's .to(bfloat16) rounds it (cpu_simd.h's bf16_bits), the lanes of
+ * mask stored at dst. */
 INLINE void store_bf16(uint16_t *dst, __m512 f, __mmask16 mask) {
-#if defined(__AVX512BF16__)
-    if (!_mm512_fpclass_ps_mask(f, 0xa1)) { /* 0x01 QNaN | 0x20 denormal | 0x80 SNaN */
-        _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(f));
-        return;
-    }
-#endif
     vec fv;
     memcpy(&fv, &f, sizeof fv);
-    const u32vec r = bf16_round_bits(fv) >> 16;
-    __m512i ri;
+    const u16vec r = bf16_bits(fv);
+    __m256i ri;
     memcpy(&ri, &r, sizeof ri);
-    _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(ri));
+    _mm256_mask_storeu_epi16(dst, mask, ri);
 }
 
 /* Output y[m, n..n+16) from its sums acc: acc - comp, scaled by x_scale[m] and ws (w_scale[n..]),

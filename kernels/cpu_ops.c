@@ -69,13 +69,13 @@ void rayllm_add_rms_norm(const void *x, int64_t x_stride, void *residual, const 
     }
 }
 
-/* e^x for any float x, lane-wise: e^x = e^-|x| or its reciprocal (exp_nonpos covers x <= 0). */
-INLINE vec exp_any(vec x) {
+/* x * sigmoid(x) lane-wise with one exp and one division: with e = e^-|x| (never overflows),
+ * sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below. */
+INLINE vec silu(vec x) {
     const ivec neg = x < 0.0f;
-    const vec ax = (vec)((ivec)x & 0x7fffffff); /* |x|: the sign bit cleared */
-    const vec e = exp_nonpos(-ax);
-    const vec inv = 1.0f / e;
-    return (vec)(((ivec)e & neg) | ((ivec)inv & ~neg));
+    const vec e = exp_nonpos((vec)((ivec)x | (int32_t)0x80000000)); /* e^-|x|: the sign bit set */
+    const vec num = (vec)(((ivec)e & neg) | ((ivec)splat(1.0f) & ~neg));
+    return x * num / (1.0f + e);
 }
 
 /* One row of rayllm_silu_and_mul in type dt: silu(gate) is rounded to dt before the multiply
@@ -85,7 +85,7 @@ INLINE void silu_mul_row(const void *g, void *o, int64_t d, int dt) {
     int64_t j = 0;
     for (; j + CHUNK <= d; j += CHUNK) {
         const vec gv = load_as_f32(g, j, dt);
-        store_as(o, j, round_to(gv / (1.0f + exp_any(-gv)), dt) * load_as_f32(u, j, dt), dt);
+        store_as(o, j, round_to(silu(gv), dt) * load_as_f32(u, j, dt), dt);
     }
     for (; j < d; j++) {
         const float gj = load1_as_f32(g, j, dt);

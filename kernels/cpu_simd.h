@@ -188,12 +188,29 @@ INLINE u32vec bf16_round_bits(vec v) {
     return (((x + 0x7fff + (x >> 16 & 1)) & ~nan) | ((x | 0x400000) & nan)) & 0xffff0000u;
 }
 
+/* Each lane rounded to nearest even bf16 (as torch casts), as bf16 bits. With AVX512-BF16 one
+ * vcvtneps2bf16 does it, but that instruction flushes denormals and quiets NaNs its own way: a
+ * vector holding either takes the bit arithmetic instead. */
+INLINE u16vec bf16_bits(vec v) {
+#if defined(__AVX512BF16__)
+    __m512 f;
+    memcpy(&f, &v, sizeof f);
+    if (!_mm512_fpclass_ps_mask(f, 0xa1)) { /* 0x01 QNaN | 0x20 denormal | 0x80 SNaN */
+        const __m256bh h = _mm512_cvtneps_pbh(f);
+        u16vec r;
+        memcpy(&r, &h, sizeof r);
+        return r;
+    }
+#endif
+    return __builtin_convertvector(bf16_round_bits(v) >> 16, u16vec);
+}
+
 /* p[i .. i + CHUNK) = v rounded to type dt. */
 INLINE void store_as(void *p, int64_t i, vec v, int dt) {
     if (dt == DT_F32) {
         STORE((float *)p + i, v);
     } else if (dt == DT_BF16) {
-        *(u16vec *)((uint16_t *)p + i) = __builtin_convertvector(bf16_round_bits(v) >> 16, u16vec);
+        *(u16vec *)((uint16_t *)p + i) = bf16_bits(v);
     } else {
         for (int l = 0; l < CHUNK; l++) ((uint16_t *)p)[i + l] = f32_to_f16(v[l]);
     }
@@ -202,7 +219,10 @@ INLINE void store_as(void *p, int64_t i, vec v, int dt) {
 /* v rounded to type dt, still as floats: what a torch op in that type would have stored. */
 INLINE vec round_to(vec v, int dt) {
     if (dt == DT_F32) return v;
-    if (dt == DT_BF16) return (vec)bf16_round_bits(v);
+    if (dt == DT_BF16) {
+        const u16vec h = bf16_bits(v);
+        return load_as_f32(&h, 0, DT_BF16);
+    }
     u32vec h = {0};
     for (int l = 0; l < CHUNK; l++) h[l] = f32_to_f16(v[l]);
     return f16_widen(h);

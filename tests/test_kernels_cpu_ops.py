@@ -77,6 +77,25 @@ def test_silu_and_mul(rows, d, dtype):
 
 
 @needs_ops
+def test_bf16_results_in_the_denormal_range_and_nans_round_as_torch():
+    """Products in fp32's denormal range, and NaNs: AVX512-BF16's rounding instruction would
+    flush the first to zero and quiet the second its own way, so those vectors round bit by bit."""
+    gate = torch.full((2, 64), 1e-20)
+    up = torch.full((2, 64), 1e-19)  # silu(1e-20) * 1e-19 ~ 5e-40: denormal
+    gate[1, 40] = float("nan")
+    x = torch.cat([gate, up], 1).bfloat16()
+    out, ref = cpu_ops.silu_and_mul(x), F.silu(x[:, :64]).mul_(x[:, 64:])
+    assert ref[0, 0] != 0 and ref[0, 0].float().abs() < torch.finfo(torch.float32).tiny
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
+    weight = torch.full((64,), 1e-38).bfloat16()  # rms_norm(x) * weight: denormal outputs
+    y = torch.randn(3, 64).bfloat16()
+    ref = F.rms_norm(y, (64,), weight, 1e-6)
+    assert (ref != 0).float().mean() > 0.9  # flushed to zero, they would all be 0
+    torch.testing.assert_close(cpu_ops.add_rms_norm(y.clone(), None, weight, 1e-6), ref, atol=0, rtol=ULP[ref.dtype])
+
+
+@needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_layers_in_half_types_match_their_torch_path(dtype, monkeypatch):
     """RMSNorm (own weight dtype, and a float32 weight, which the C op must leave to torch: HF
