@@ -228,22 +228,34 @@ INLINE vec round_to(vec v, int dt) {
     return f16_widen(h);
 }
 
-/* dst[d] = src[i0 + d] * scale for d < n, src of type dt: one loop per type, no branch per
- * element (dt is a run-time value here). */
+/* dst[d] = src[i0 + d] * scale for d < n, src of type dt; CHUNK at a time, then the tail. */
+INLINE void widen_row_as(float *dst, const void *src, int64_t i0, int64_t n, float scale, int dt) {
+    int64_t d = 0;
+    for (; d + CHUNK <= n; d += CHUNK) STORE(dst + d, load_as_f32(src, i0 + d, dt) * scale);
+    for (; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, dt) * scale;
+}
+
+/* dst[i0 + d] = src[d] * mul rounded to type dt, for d < n; CHUNK at a time, then the tail. */
+INLINE void narrow_row_as(void *dst, int64_t i0, const float *src, int64_t n, float mul, int dt) {
+    int64_t d = 0;
+    for (; d + CHUNK <= n; d += CHUNK) store_as(dst, i0 + d, LOAD(src + d) * mul, dt);
+    for (; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, dt);
+}
+
+/* widen_row_as and narrow_row_as for a run-time dt: one loop per type, no branch per element. */
 static inline void widen_row(float *dst, const void *src, int64_t i0, int64_t n, float scale, int64_t dt) {
     switch (dt) {
-    case DT_BF16: for (int64_t d = 0; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, DT_BF16) * scale; break;
-    case DT_F16: for (int64_t d = 0; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, DT_F16) * scale; break;
-    default: for (int64_t d = 0; d < n; d++) dst[d] = load1_as_f32(src, i0 + d, DT_F32) * scale;
+    case DT_BF16: widen_row_as(dst, src, i0, n, scale, DT_BF16); break;
+    case DT_F16: widen_row_as(dst, src, i0, n, scale, DT_F16); break;
+    default: widen_row_as(dst, src, i0, n, scale, DT_F32);
     }
 }
 
-/* dst[i0 + d] = src[d] * mul rounded to type dt, for d < n. */
 static inline void narrow_row(void *dst, int64_t i0, const float *src, int64_t n, float mul, int64_t dt) {
     switch (dt) {
-    case DT_BF16: for (int64_t d = 0; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, DT_BF16); break;
-    case DT_F16: for (int64_t d = 0; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, DT_F16); break;
-    default: for (int64_t d = 0; d < n; d++) store1_from_f32(dst, i0 + d, src[d] * mul, DT_F32);
+    case DT_BF16: narrow_row_as(dst, i0, src, n, mul, DT_BF16); break;
+    case DT_F16: narrow_row_as(dst, i0, src, n, mul, DT_F16); break;
+    default: narrow_row_as(dst, i0, src, n, mul, DT_F32);
     }
 }
 
