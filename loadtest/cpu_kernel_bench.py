@@ -1,4 +1,4 @@
-"""CPU micro-benchmark of the two choices the engine's fp32 CPU path makes per call.
+"""CPU micro-benchmark of the choices the engine's CPU path makes per call.
 
     python -m loadtest.cpu_kernel_bench [--out bench_out/cpu_kernel_bench.json] [--repeats 15]
 
@@ -13,6 +13,8 @@
   (kernels.torch_attention.prefill_cached), in fp32 and bf16, either side of
   `kernel_max_q_len(dtype)`, the q_len up to which kernels/cpu_attention.py uses the kernel
   (512; 64 for bf16 on a CPU with AMX-BF16).
+- ops: the fused C ops of a layer (kernels.cpu_ops: the residual add with RMSNorm, SiLU-and-mul)
+  against the torch ops the layers run without them, in fp32 and bf16, at decode and prefill rows.
 
 Peers alternate within each repeat; times are medians. The ratio column (peer / ours,
 above 1: ours is faster) is the figure; absolute CPU times vary with the box.
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.cpu_gemm import can_pack, pack, packed_linear
+from kernels import cpu_ops
 from kernels.cpu_attention import AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, _kernel, kernel_max_q_len, run_kernel
 from kernels.torch_attention import paged_attention_torch, prefill_cached
 from loadtest.report import base_metadata, format_table, write_json
@@ -41,6 +44,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 ATTENTION_CASES = ((16, 216), (AMX_BF16_KERNEL_MAX_Q_LEN, AMX_BF16_KERNEL_MAX_Q_LEN + 200), (100, 250),
                    (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200), (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+OPS_ROWS = (8, 64, 2048)
+HIDDEN, INTERMEDIATE = 512, 1408
 ATTENTION_TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: SDPA rounds P to bf16 before P @ V
 # Decode steps: (sequences, their context lengths' range, dtype, query heads, kv heads, head_dim).
 # The bench model's shape first: the first two fit in a 32 MB L3, the third (~65 MB of K/V) does
@@ -151,11 +156,35 @@ def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+def ops_rows(repeats: int, gen: torch.Generator) -> list[dict]:
+    """A layer's fused C ops (residual add + RMSNorm; SiLU-and-mul) against the torch ops they replace."""
+    if cpu_ops._lib() is None:
+        print("the C ops are not built (no compiler, or disabled): ops cases skipped")
+        return []
+    rows = []
+    for dtype in ATTENTION_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        weight = torch.randn(HIDDEN, generator=gen).to(dtype)
+        for n in OPS_ROWS:
+            x, res = (torch.randn(n, HIDDEN, generator=gen).to(dtype) for _ in "xr")
+            gate_up = torch.randn(n, 2 * INTERMEDIATE, generator=gen).to(dtype)
+            fused_norm = lambda: cpu_ops.add_rms_norm(x, res, weight, 1e-6)  # noqa: E731
+            torch_norm = lambda: F.rms_norm(x + res, (HIDDEN,), weight, 1e-6)  # noqa: E731
+            fused_silu = lambda: cpu_ops.silu_and_mul(gate_up)  # noqa: E731
+            torch_silu = lambda: F.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:]  # noqa: E731
+            for case, ours_fn, peer_fn in ((f"add + rms_norm {name} {n} x {HIDDEN}", fused_norm, torch_norm),
+                                           (f"silu_and_mul {name} {n} x 2 x {INTERMEDIATE}", fused_silu, torch_silu)):
+                ours, peer = _median_ms([ours_fn, peer_fn], repeats)
+                rows.append({"case": case, "ours": "C op", "ours_ms": ours, "peer": "torch ops", "peer_ms": peer,
+                             "ratio": peer / ours})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m loadtest.cpu_kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/cpu_kernel_bench.json")
     ap.add_argument("--repeats", type=int, default=15, help="timed rounds per case (default 15)")
-    ap.add_argument("--only", choices=("linear", "attention", "decode"), default=None,
+    ap.add_argument("--only", choices=("linear", "attention", "decode", "ops"), default=None,
                     help="run one group of cases")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -165,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = linear_rows(args.repeats, gen) if args.only in (None, "linear") else []
         rows += attention_rows(args.repeats, gen) if args.only in (None, "attention") else []
         rows += decode_rows(args.repeats, gen) if args.only in (None, "decode") else []
+        rows += ops_rows(args.repeats, gen) if args.only in (None, "ops") else []
     report = {**base_metadata(sys.argv if argv is None else ["cpu_kernel_bench", *argv]),
               "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows}
     print(f"wrote {write_json(args.out, report)}")

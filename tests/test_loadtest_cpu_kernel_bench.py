@@ -44,6 +44,17 @@ def test_decode_cases_report_the_kernel_against_the_torch_path_and_a_plain_read(
     assert all(r["peer"] == "torch path" and r["kv_gb_per_s"] > 0 and r["read_share"] > 0 for r in rows)
 
 
+def test_ops_cases_time_each_fused_op_against_its_torch_ops(tmp_path, monkeypatch):
+    from kernels import cpu_ops
+    if cpu_ops._lib() is None:
+        pytest.skip("the C ops are not built here")
+    monkeypatch.setattr(ckb, "OPS_ROWS", (3,))
+    rows = ckb.main(["--only", "ops", "--repeats", "1", "--out", str(tmp_path / "b.json")])["rows"]
+    assert [r["case"] for r in rows] == ["add + rms_norm float32 3 x 512", "silu_and_mul float32 3 x 2 x 1408",
+                                         "add + rms_norm bfloat16 3 x 512", "silu_and_mul bfloat16 3 x 2 x 1408"]
+    assert all(r["peer"] == "torch ops" and r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
+
+
 def test_refuses_zero_repeats(capsys):
     with pytest.raises(SystemExit):
         ckb.main(["--repeats", "0"])
