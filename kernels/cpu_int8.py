@@ -68,6 +68,12 @@ def amx_available() -> bool:
     return available() and bool(_lib().rayllm_int8_amx_available())
 
 
+def _packed_blocks_groups(n: int, k: int) -> tuple[int, int]:
+    """The packed layout's blocks of LANES outputs and groups of K_GROUP inputs for an [n, k] weight
+    (n padded to LANES, k to K_ALIGN)."""
+    return -(-n // LANES), -(-k // K_ALIGN) * K_ALIGN // K_GROUP
+
+
 @dataclass
 class CpuInt8Weights:
     """The kernel's layout (cpu_int8.c), checked once here: calls check only x."""
@@ -81,7 +87,7 @@ class CpuInt8Weights:
         n, k = self.shape
         if not 0 < k <= MAX_K:
             raise ValueError(f"in_features must be in 1..{MAX_K} (int32 sums); got {k}")
-        blocks, groups = -(-n // LANES), -(-k // K_ALIGN) * K_ALIGN // K_GROUP
+        blocks, groups = _packed_blocks_groups(n, k)
         expected = dict(packed=(torch.int8, (blocks, groups, LANES, K_GROUP)), comp=(torch.int32, (n,)),
                         scale=(torch.float32, (n,)))
         for name, (dtype, shape) in expected.items():
@@ -105,7 +111,7 @@ def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> CpuInt8Weights:
     if not isinstance(scale, torch.Tensor) or scale.numel() != n or not scale.is_floating_point():
         raise ValueError(f"scale must be a float tensor of {n} entries (one per output); got "
                          f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
-    blocks, groups = -(-n // LANES), -(-k // K_ALIGN) * K_ALIGN // K_GROUP
+    blocks, groups = _packed_blocks_groups(n, k)
     padded = torch.zeros(blocks * LANES, groups * K_GROUP, dtype=torch.int8)
     padded[:n, :k] = q
     # [Np, Kp] -> [Np / 16, 16, Kp / 4, 4] -> [Np / 16, Kp / 4, 16, 4]: a block's 4-input groups in turn

@@ -117,6 +117,12 @@ INLINE int chunk_hidden(const Item *it, int64_t m, int64_t k) {
     return k >= it->lim[m] || k + CHUNK <= it->lo[m];
 }
 
+/* Whether scores and P @ V take the grouped path (group_scores, group_pv): whole CHUNKs of one
+ * block and head_dim a multiple of CHUNK up to GROUPED_MAX_D. */
+INLINE int grouped_path(const Item *it, int64_t D) {
+    return it->a->block_size % CHUNK == 0 && D % CHUNK == 0 && D <= GROUPED_MAX_D;
+}
+
 /* s[m, j .. j + CHUNK) = q_m . k_{k0 + j + c} for vectors m0 .. m0 + nm (all of one kv head),
  * the CHUNK key rows from kb (`stride` elements apart): each row is widened once for all the
  * vectors (a kv head's query heads and rows), GROUP of them at a time. */
@@ -153,7 +159,7 @@ INLINE void prefetch_chunk(const Item *it, int64_t key, int64_t stride, int dt) 
 INLINE void tile_scores(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
     const int64_t stride = it->a->num_kv_heads * D;
     const int fast = it->a->block_size % CHUNK == 0 && D % CHUNK == 0;
-    const int grouped = fast && D <= GROUPED_MAX_D;
+    const int grouped = grouped_path(it, D);
     const float cap = it->a->soft_cap;
     const int64_t ahead = (dt == DT_F32 ? PREFETCH_CHUNKS / 2 : PREFETCH_CHUNKS) * CHUNK; /* in bytes alike */
     for (int64_t j = 0; j < kn; j += CHUNK) { /* fast: CHUNK rows of one block */
@@ -210,7 +216,6 @@ INLINE void tile_softmax(const Item *it, int64_t k0, int64_t kn, int64_t D) {
     }
 }
 
-
 /* acc += sum_{c < n} p[c] * v_c over D floats, v_c = vb + c * stride (elements of type dt).
  * With D a constant <= MAX_REG_CHUNKS * CHUNK, acc lives in registers for the whole walk. */
 INLINE void pv_rows(float *restrict acc, const float *restrict p, const void *restrict vb,
@@ -255,7 +260,7 @@ INLINE void group_pv(const Item *it, int64_t m0, const int R, const void *vb, in
 INLINE void tile_pv(const Item *it, int64_t k0, int64_t kn, int64_t D, int dt) {
     const int64_t stride = it->a->num_kv_heads * D, G = it->a->num_heads / it->a->num_kv_heads;
     const int fast = it->a->block_size % CHUNK == 0;
-    const int grouped = fast && D % CHUNK == 0 && D <= GROUPED_MAX_D;
+    const int grouped = grouped_path(it, D);
     for (int64_t j = 0; j < kn; j += CHUNK) {
         const int64_t vb = key_offset(it, k0 + j);
         for (int64_t m = 0; m < it->M; m += grouped ? G : 1) { /* grouped: m is a row's first head */

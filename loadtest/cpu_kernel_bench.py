@@ -35,17 +35,16 @@ from kernels.cpu_attention import AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, _
 from kernels.torch_attention import paged_attention_torch, prefill_cached
 from loadtest.report import base_metadata, format_table, write_json
 
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 512, 1408, 8, 4, 64, 16  # the bench model
 # [in, out] of one bench-model layer: qkv, o, gate_up, down.
-LAYER_SHAPES = [(512, 512 + 2 * 256), (512, 512), (512, 2 * 1408), (1408, 512)]
+LAYER_SHAPES = [(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN), (HIDDEN, 2 * INTERMEDIATE),
+                (INTERMEDIATE, HIDDEN)]
 NUM_LAYERS = 6
 LINEAR_ROWS = (32, 64, 2048)
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
+DTYPES = (torch.float32, torch.bfloat16)  # the attention and ops cases: the engine's CPU dtypes
 # (q_len, keys): chunks with a cached prefix, either side of the kernel's limits.
 ATTENTION_CASES = ((16, 216), (AMX_BF16_KERNEL_MAX_Q_LEN, AMX_BF16_KERNEL_MAX_Q_LEN + 200), (100, 250),
                    (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200), (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
-OPS_ROWS = (8, 64, 2048)
-HIDDEN, INTERMEDIATE = 512, 1408
 ATTENTION_TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: SDPA rounds P to bf16 before P @ V
 # Decode steps: (sequences, their context lengths' range, dtype, query heads, kv heads, head_dim).
 # The bench model's shape first: the first two fit in a 32 MB L3, the third (~65 MB of K/V) does
@@ -56,6 +55,7 @@ DECODE_CASES = ((64, (100, 300), torch.float32, HEADS, KV_HEADS, HEAD_DIM),
                 (64, (800, 1200), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM),
                 (32, (400, 800), torch.bfloat16, 9, 3, 64),
                 (32, (400, 800), torch.bfloat16, 32, 8, 128))
+OPS_ROWS = (8, 64, 2048)
 
 
 def _median_ms(fns: list, repeats: int) -> list[float]:
@@ -94,7 +94,7 @@ def attention_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         print("the C attention kernel is not built (no compiler, or disabled): attention cases skipped")
         return []
     rows = []
-    for dtype in ATTENTION_DTYPES:
+    for dtype in DTYPES:
         rows += [_attention_row(fn, q_len, seq_len, dtype, repeats, gen) for q_len, seq_len in ATTENTION_CASES]
     return rows
 
@@ -162,7 +162,7 @@ def ops_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         print("the C ops are not built (no compiler, or disabled): ops cases skipped")
         return []
     rows = []
-    for dtype in ATTENTION_DTYPES:
+    for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
         weight = torch.randn(HIDDEN, generator=gen).to(dtype)
         for n in OPS_ROWS:
