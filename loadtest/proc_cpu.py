@@ -132,5 +132,7 @@ class ProcessSampler:
     def _sample(self) -> None:
         for pid, cpu in per_process().items():
             if cpu != self._last.get(pid):  # it ran: read its name again (a fork exec'd, a Ray worker renamed)
-                self._names[pid] = cmdline(pid)
+                name = cmdline(pid)
+                if name:  # empty once it has exited (a zombie's, or gone): keep the last one seen
+                    self._names[pid] = name
             self._last[pid] = cpu

@@ -511,6 +511,21 @@ def test_batch_bench_engine_actor_ratio_and_the_jobs_cpu_by_role():
     assert cpu_table([round_figures(100, 60.0, 6400, job, 100)]) == ""
 
 
+def test_process_sampler_keeps_the_name_of_a_process_read_as_it_exits(monkeypatch):
+    """An exited, unreaped process still has its CPU in /proc/PID/stat but an empty cmdline: the
+    last name seen stays (a sample that caught it then used to drop the name)."""
+    from loadtest import proc_cpu
+
+    cpu = iter([{7: 0.1}, {7: 0.5}])
+    names = iter(["python -c busy", ""])
+    monkeypatch.setattr(proc_cpu, "per_process", lambda: next(cpu))
+    monkeypatch.setattr(proc_cpu, "cmdline", lambda pid: next(names))
+    sampler = proc_cpu.ProcessSampler(interval=60)
+    sampler._sample()  # seen running
+    sampler._sample()  # read again as it exits: stat still there, cmdline empty
+    assert sampler._names[7] == "python -c busy" and sampler._last[7] == 0.5
+
+
 def test_process_sampler_counts_a_process_that_starts_and_ends_inside_the_block():
     import subprocess
     import sys
