@@ -7,7 +7,7 @@
  * Activations: x [M, K] fp32 or bf16, rows x_stride apart. Each row is quantized as torch does
  * it (engine/layers/quantization/int8.py's quantize_per_token): scale = max(absmax / 127, 1e-10),
  * q = round_half_even(x / scale) clamped to +-127; or by one static scale for every row. The
- * division is a true fp32 division, as torch's, so q is the same bytes.
+ * quotient is rounded as a true fp32 division rounds it (torch's), so q is the same bytes.
  *
  * u8 x s8: vpdpbusd multiplies unsigned bytes by signed ones, so the kernel feeds it
  * qx + 128 (1..255) and takes back 128 * sum_k w[n, k] per output:
@@ -84,8 +84,31 @@ INLINE __m512 load_x(const void *p, __mmask16 mask, int dt) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); /* a bf16 is the top half of a float */
 }
 
+/* x / s correctly rounded, as _mm512_div_ps gives it, from r = 1 / s (correctly rounded) with one
+ * multiply and two FMAs: q = x * r is within an ulp of x / s, the FMA remainder x - q * s is exact,
+ * and q + remainder * r rounds to the correctly rounded quotient (Markstein's theorem), as long as
+ * s, r and the quotients near the rounding boundaries that matter here (|x / s| >= 0.5) are
+ * normal floats: the caller keeps the division for scales outside [1e-30, 1e30]. A division's
+ * throughput is a fifth of these three. Where the remainder is NaN but q is not (x infinite), q
+ * is already the quotient. */
+INLINE __m512 divide_by_scale(__m512 x, __m512 s, __m512 r) {
+    const __m512 q = _mm512_mul_ps(x, r);
+    const __m512 q2 = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
+    const __mmask16 lost = _mm512_cmp_ps_mask(q2, q2, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(q, q, _CMP_ORD_Q);
+    return _mm512_mask_mov_ps(q2, lost, q);
+}
+
+/* 16 elements of x quantized by s (r = 1 / s) as int32, plus 128. */
+INLINE __m512i quantize_vec(__m512 xv, __m512 s, __m512 r, int exact_by_fma) {
+    __m512 v = exact_by_fma ? divide_by_scale(xv, s, r) : _mm512_div_ps(xv, s);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)); /* clamped first: cvtps2dq of a huge float is INT_MIN */
+    return _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128)); /* rounds half to even (MXCSR) */
+}
+
 /* xq[0:Kp] = the row quantized, plus 128; inputs K..Kp get 128 (q = 0). Returns the row's scale:
- * `*static_scale`, or the row's absmax / 127 (at least 1e-10) when static_scale is NULL. */
+ * `*static_scale`, or the row's absmax / 127 (at least 1e-10) when static_scale is NULL. Whole
+ * groups of 64 inputs are stored 64 bytes at a time: a masked 16-byte store per vector was the
+ * loop's bottleneck. */
 INLINE float quantize_row(const void *x, int64_t K, int64_t Kp, const float *static_scale, uint8_t *xq,
                           const int dt) {
     const int64_t esize = dt == DT_F32 ? 4 : 2;
@@ -93,19 +116,32 @@ INLINE float quantize_row(const void *x, int64_t K, int64_t Kp, const float *sta
     if (static_scale) {
         scale = *static_scale;
     } else {
-        __m512 m = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += LANES)
-            m = _mm512_max_ps(m, _mm512_abs_ps(load_x((const char *)x + k * esize, tail_mask(K - k), dt)));
-        scale = _mm512_reduce_max_ps(m) / 127.0f;
+        __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 2 * LANES <= K; k += 2 * LANES) {
+            m0 = _mm512_max_ps(m0, _mm512_abs_ps(load_x((const char *)x + k * esize, 0xffff, dt)));
+            m1 = _mm512_max_ps(m1, _mm512_abs_ps(load_x((const char *)x + (k + LANES) * esize, 0xffff, dt)));
+        }
+        for (; k < K; k += LANES)
+            m0 = _mm512_max_ps(m0, _mm512_abs_ps(load_x((const char *)x + k * esize, tail_mask(K - k), dt)));
+        scale = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) / 127.0f;
         scale = scale < 1e-10f ? 1e-10f : scale; /* torch's clamp_(min=1e-10): an all-zero row */
     }
-    const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    const __m512i offset = _mm512_set1_epi32(128);
-    for (int64_t k = 0; k < K; k += LANES) {
+    const __m512 vs = _mm512_set1_ps(scale), vr = _mm512_set1_ps(1.0f / scale);
+    const int exact_by_fma = scale > 1e-30f && scale < 1e30f; /* else 1 / scale or the remainder leaves the normal range */
+    int64_t k = 0;
+    for (; k + 4 * LANES <= K; k += 4 * LANES) {
+        __m128i b[4];
+        for (int i = 0; i < 4; i++)
+            b[i] = _mm512_cvtepi32_epi8(quantize_vec(load_x((const char *)x + (k + i * LANES) * esize, 0xffff, dt),
+                                                     vs, vr, exact_by_fma));
+        const __m512i all = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(b[1], b[0])),
+                                               _mm256_set_m128i(b[3], b[2]), 1);
+        _mm512_storeu_si512(xq + k, all);
+    }
+    for (; k < K; k += LANES) {
         const __mmask16 mask = tail_mask(K - k);
-        __m512 v = _mm512_div_ps(load_x((const char *)x + k * esize, mask, dt), vs);
-        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* clamped first: cvtps2dq of a huge float is INT_MIN */
-        const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), offset); /* rounds half to even (MXCSR) */
+        const __m512i q = quantize_vec(load_x((const char *)x + k * esize, mask, dt), vs, vr, exact_by_fma);
         _mm512_mask_cvtepi32_storeu_epi8(xq + k, mask, q);
     }
     memset(xq + K, 128, (size_t)(Kp - K));

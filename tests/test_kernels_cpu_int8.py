@@ -96,6 +96,29 @@ def test_rounding_half_to_even_and_clipping():
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_quotients_a_few_ulps_from_half_integers_round_as_a_division(isa):
+    """The kernel divides by the scale with a reciprocal and FMAs: x = (j + 0.5) * s moved 0-2 ulps
+    either way, over scales of every magnitude, quantizes to torch's `round(x / s)` bytes, as do
+    infinite inputs. Multiplying by the reciprocal alone misrounds some of these."""
+    gen = torch.Generator().manual_seed(0)
+    k = 64
+    w = cpu_int8.pack_int8_vnni(torch.eye(k, dtype=torch.int8), torch.ones(k))  # acc = the quantized row
+    for exponent in range(-28, 29, 4):
+        s = torch.tensor([1.37 * 10.0 ** exponent], dtype=torch.float32)
+        x = (torch.randint(-130, 130, (64, k), generator=gen).float() + 0.5) * s
+        for step in (float("-inf"), float("inf")):
+            moved = x
+            for _ in range(3):
+                acc, _ = cpu_int8.int8_matmul_s32_cpu(moved, w, s, isa=isa)
+                assert torch.equal(acc, quantize_static(moved, s).int()), (s.item(), step)
+                moved = torch.nextafter(moved, torch.full_like(moved, step))
+    x = torch.tensor([[float("inf"), -float("inf")] + [1.0] * (k - 2)])
+    acc, _ = cpu_int8.int8_matmul_s32_cpu(x, w, torch.tensor([0.25]), isa=isa)
+    assert acc[0, :3].tolist() == [127, -127, 4]
+
+
+@needs_kernel
 def test_the_plus_128_offset_is_taken_back():
     """Weights of one sign: every output's correction 128 * sum_k w[n, k] is large, and a row of
     zeros (all 128 after the offset) must still give 0."""
