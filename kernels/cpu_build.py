@@ -2,7 +2,8 @@
 
 The system C compiler (`$CC`, else `cc`) builds `kernels/<name>.c` into a cache
 directory (`$RAYLLM_KERNEL_CACHE`, else `$XDG_CACHE_HOME/rayllm/kernels`, else
-`~/.cache/rayllm/kernels`) under a name keyed by the source and kernels/*.h, the flags, the
+`~/.cache/rayllm/kernels`) under a name keyed by the source, the kernels/*.c files it includes
+whole (kernels/cpu_decoder_layer.c) and kernels/*.h, the flags, the
 compiler and this CPU's feature flags (the build uses -march=native, so a
 cache shared between different machines must not hand one's binary to the
 other). Builds are atomic: compile to a temporary file, then rename, so
@@ -19,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -80,6 +82,12 @@ def _compile(cc: str, source: Path, target: Path, flags: list[str]) -> str | Non
             os.unlink(tmp)
 
 
+def _included_sources(source: Path) -> list[bytes]:
+    """The bytes of the kernels/*.c files `source` includes whole (cpu_decoder_layer.c): part of its key."""
+    names = re.findall(rb'^#include "([A-Za-z0-9_]+\.c)"', source.read_bytes(), flags=re.M)
+    return [source.with_name(n.decode()).read_bytes() for n in names]
+
+
 def _build(name: str) -> Path:
     """The cached shared library for kernels/<name>.c, compiled if missing; raises RuntimeError."""
     source = Path(__file__).with_name(name + ".c")
@@ -90,7 +98,7 @@ def _build(name: str) -> Path:
     for flags in _FLAG_SETS:
         headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
         key = hashlib.sha256(b"\0".join(
-            [source.read_bytes(), *headers, " ".join(flags).encode(), cc.encode(),
+            [source.read_bytes(), *headers, *_included_sources(source), " ".join(flags).encode(), cc.encode(),
              _cpu_signature().encode()])).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if target.exists():

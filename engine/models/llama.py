@@ -74,9 +74,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config) if mlp is None else mlp  # mlp: a mixture-of-experts block (engine/models/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # CPU, INT8 W8A8: the whole layer as one C call where a step allows it; set by the model
+        # runner (engine/layers/cpu_fused_layer.py), bit-identical to the modules below.
+        self.fused = None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
         """Returns (this layer's output, residual stream so far); the next norm adds them."""
+        if self.fused is not None:
+            out = self.fused(positions, hidden_states, residual)
+            if out is not None:
+                return out
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

@@ -20,6 +20,7 @@ from engine.loader.kv_scales import layer_kv_scales, read_kv_scales
 from engine.worker.host_kv_cache import HostKVCache, host_kv_blocks
 from engine.worker.kv_cache import allocate_kv_tensor
 from engine.layers.attention import Attention
+from engine.layers.cpu_fused_layer import bind_fused_decoder_layers
 from engine.layers.cpu_gemm import pack_module_weight
 from engine.layers.embed_head import ParallelLMHead
 from engine.layers.linear import LinearBase
@@ -71,6 +72,8 @@ class ModelRunner:
         # num_kv_blocks is the first KV cache group's pool; the others follow from it (kv_cache_groups.py).
         self.num_kv_blocks = _min_over_ranks(self._determine_num_kv_blocks(), self.device)
         self._allocate_kv_cache(self._group_num_block_ids(self.num_kv_blocks))
+        if self.device.type == "cpu" and self.lora_manager is None:
+            bind_fused_decoder_layers(self.model, self.dtype)  # INT8 W8A8 layers: one C call each
         self.host_kv_cache = self._make_host_kv_cache()  # None with kv_offload_gb=0
         self.num_host_kv_blocks = 0 if self.host_kv_cache is None else self.host_kv_cache.num_host_blocks
         self.graph_runner = self._maybe_capture_cuda_graphs()
