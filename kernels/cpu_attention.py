@@ -1,25 +1,30 @@
-"""The engine's CPU attention: a fused C kernel over the paged cache, SDPA for long chunks.
+"""The engine's CPU attention: fused C kernels over the paged cache, SDPA for what they skip.
 
 Same contract as kernels.paged_attention, plus optional `key`/`value` (this
 step's new K/V rows). Dispatch:
 
 - fp32, bf16 or fp16 CPU tensors and the kernel built (kernels/cpu_paged_attention.c,
   see kernels.cpu_build; half types are widened to fp32 in registers): decode rows and chunks of up to
-  `kernel_max_q_len(dtype)` rows (KERNEL_MAX_Q_LEN; bf16 on a CPU with AMX-BF16, 64) run
-  in the C kernel, which reads K/V straight from the cache blocks (no gather
-  copy, no padding, online softmax), with or without a cached prefix. A longer
-  chunk runs as one SDPA: on `key`/`value` when it has no cached prefix (q_len ==
-  seq_len) and they are given (it needs no cache at all), else over K/V gathered
+  `kernel_max_q_len(dtype, head_dim, opts)` rows (KERNEL_MAX_Q_LEN; bf16 on a CPU with AMX-BF16,
+  16 where the chunk kernel below takes the longer chunks, else 64) run in the row kernel, which
+  reads K/V straight from the cache blocks (no gather copy, no padding, online softmax), with or
+  without a cached prefix.
+- longer bf16 chunks on a CPU with AMX-BF16, head_dim a multiple of 32, no soft cap or sinks:
+  the chunk kernel (kernels/cpu_chunk_attention.c: Q K^T and P V on AMX tiles, from the cache),
+  every such chunk of the batch in the same call.
+- other longer chunks run as one SDPA each: on `key`/`value` when it has no cached prefix
+  (q_len == seq_len) and they are given (it needs no cache at all), else over K/V gathered
   from its blocks.
 - anything else (other dtypes or devices, RAYLLM_DISABLE_CPU_KERNEL=1, no
   compiler): kernels.torch_attention.paged_attention_torch.
 
 A sliding window, a soft cap and sinks (kernels.reference has their meaning) go
-to every one of these paths alike.
+to every one of these paths alike (the chunk kernel takes windows only).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -31,7 +36,7 @@ from kernels._validate import check_store_kv
 from kernels.torch_attention import (ScoreOptions, paged_attention_torch, prefill_cached,
                                      prefill_fresh, store_kv_torch)
 
-_LIB_NAME = "cpu_paged_attention"
+_LIB_NAME = "cpu_chunk_attention"  # includes cpu_paged_attention.c: both entry points
 # Chunks with more query rows run as SDPA instead, where one matmul over the chunk beats
 # the kernel's per-row loop. `python -m loadtest.cpu_kernel_bench --only attention` times both
 # either side of this limit (docs/benchmarks.md, "the C attention kernel against SDPA per chunk").
@@ -39,6 +44,9 @@ KERNEL_MAX_Q_LEN = 512
 # bf16 on a CPU with AMX-BF16: SDPA's bf16 matmuls run on AMX tiles there and overtake the
 # kernel from about 64 rows, fresh or with a prefix (docs/benchmarks.md, same command).
 AMX_BF16_KERNEL_MAX_Q_LEN = 64
+# ... and where the AMX chunk kernel (cpu_chunk_attention.c) takes the chunk, it overtakes the
+# row kernel past one tile of 16 query rows (same command).
+AMX_CHUNK_ROW_MAX_Q_LEN = 16
 # Return codes of rayllm_paged_attention (cpu_paged_attention.c).
 _ERRORS = {
     1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
@@ -47,6 +55,7 @@ _ERRORS = {
     4: "cu_seqlens_q must start at 0, never decrease and end at num_tokens",
     5: "the tensors' dtype is not one the kernel takes",
 }
+_ERR_UNSUPPORTED = 6  # rayllm_chunk_attention: not bf16 on AMX, a head_dim off 32, a soft cap or sinks
 _ERR_NO_MEMORY = 3
 
 
@@ -74,13 +83,34 @@ def _kernel():
     return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _chunk_kernel():
+    """The AMX entry point for long bf16 chunks (cpu_chunk_attention.c), or None where it cannot
+    run (no AMX-BF16, tiles refused, or the library unbuilt): SDPA runs those chunks then."""
+    lib = load_kernel_library(_LIB_NAME)
+    if lib is None or not lib.rayllm_chunk_attention_available():
+        return None
+    fn = lib.rayllm_chunk_attention
+    fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+    return fn
+
+
 def kernel_available() -> bool:
     return _kernel() is not None
 
 
-def kernel_max_q_len(dtype: torch.dtype) -> int:
-    """The most query rows a chunk may have to run in the C kernel; longer chunks run as SDPA."""
+def chunk_kernel_applies(dtype: torch.dtype, head_dim: int, opts: ScoreOptions) -> bool:
+    """Whether the AMX kernel takes a long chunk's attention (else SDPA does)."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and opts.logits_soft_cap is None
+            and opts.sinks is None and _chunk_kernel() is not None)
+
+
+def kernel_max_q_len(dtype: torch.dtype, head_dim: int | None = None, opts: ScoreOptions = ScoreOptions()) -> int:
+    """The most query rows a chunk may have to run in the row kernel; longer chunks run in the AMX
+    chunk kernel where it takes them (bf16, `head_dim` given, chunk_kernel_applies), else as SDPA."""
     if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        if head_dim is not None and chunk_kernel_applies(dtype, head_dim, opts):
+            return AMX_CHUNK_ROW_MAX_Q_LEN
         return AMX_BF16_KERNEL_MAX_Q_LEN
     return KERNEL_MAX_Q_LEN
 
@@ -94,8 +124,9 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-               out, max_q_len: int, opts: ScoreOptions = ScoreOptions()) -> None:
-    """Call the C kernel for the sequences with at most max_q_len query rows.
+               out, max_q_len: int, opts: ScoreOptions = ScoreOptions(), chunk_fn=None) -> None:
+    """Call the C kernel for the sequences with at most max_q_len query rows, and chunk_fn (the
+    AMX entry point, when given) for the others.
 
     Every tensor on CPU with a unit last stride; query, caches and out one of DT_CODES,
     the index tensors int32. query, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -114,11 +145,12 @@ def run_kernel(fn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q
                  block_size, num_blocks, block_tables.shape[1], scale, max_q_len,
                  opts.sliding_window or 0, opts.logits_soft_cap or 0.0,
                  None if sinks is None else sinks.data_ptr(), DT_CODES[query.dtype])
-    err = fn(ctypes.byref(args))
-    if err == _ERR_NO_MEMORY:
-        raise MemoryError("cpu paged attention: scratch allocation failed")
-    if err:
-        raise ValueError(f"cpu paged attention: {_ERRORS.get(err, f'error {err}')}")
+    for f in (fn,) if chunk_fn is None else (fn, chunk_fn):
+        err = f(ctypes.byref(args))
+        if err == _ERR_NO_MEMORY:
+            raise MemoryError("cpu paged attention: scratch allocation failed")
+        if err:
+            raise ValueError(f"cpu paged attention: {_ERRORS.get(err, f'error {err}')}")
 
 
 def _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
@@ -170,10 +202,13 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seql
     if query.shape[0] == 0 or block_tables.shape[0] == 0:
         return out
     dst = out if out.stride(-1) == 1 else torch.empty(query.shape, dtype=query.dtype)
-    scale, max_q_len = float(softmax_scale), kernel_max_q_len(query.dtype)
+    head_dim = query.shape[-1]
+    scale, max_q_len = float(softmax_scale), kernel_max_q_len(query.dtype, head_dim, opts)
+    long_chunks = max_seqlen_q > max_q_len
+    chunk_fn = _chunk_kernel() if long_chunks and chunk_kernel_applies(query.dtype, head_dim, opts) else None
     run_kernel(fn, _unit_last_stride(query), k_cache, v_cache, _as_int32(block_tables),
-               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, max_q_len, opts)
-    if max_seqlen_q > max_q_len:
+               _as_int32(seq_lens), _as_int32(cu_seqlens_q), scale, dst, max_q_len, opts, chunk_fn)
+    if long_chunks and chunk_fn is None:
         _sdpa_chunks(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_lens_cpu,
                      query_lens_cpu, scale, dst, key, value, opts, max_q_len)
     if dst is not out:

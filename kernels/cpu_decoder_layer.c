@@ -1,6 +1,6 @@
 /* One Llama-family decoder layer on CPU in one call, its linear layers INT8 W8A8: the same C ops
- * the layer's modules call one by one (cpu_ops.c, cpu_int8.c, cpu_paged_attention.c, included
- * here whole so one library holds them), in the same order on the same bytes, so the result is
+ * the layer's modules call one by one (cpu_ops.c, cpu_int8.c, cpu_chunk_attention.c with
+ * cpu_paged_attention.c, included here whole so one library holds them), in the same order on the same bytes, so the result is
  * the modules' to the bit. What it saves is the Python between them: at decode that glue cost
  * about as much as the int8 matmuls (docs/benchmarks.md). The wrapper, the checks and the
  * conditions it applies under are kernels/cpu_decoder_layer.py and engine/layers/cpu_fused_layer.py.
@@ -8,13 +8,13 @@
  *   first layer (residual == x):  h = rms_norm(x) * w_in                 (x kept as the residual)
  *   other layers:                 residual += x;  h = rms_norm(residual) * w_in   (h is x's memory)
  *   qkv = int8_linear(h);  rotate q and k heads in place (neox);  store this step's k, v rows
- *   a = paged_attention(q, caches)          (every sequence's chunk has at most max_q_len rows)
+ *   a = paged_attention(q, caches)   (the row kernel up to max_q_len rows a chunk, the AMX chunk kernel above)
  *   o = int8_linear(a);  residual += o;  o = rms_norm(residual) * w_post
  *   out = int8_linear(silu(gate) * up),  [gate | up] = int8_linear(o)
  */
 #include "cpu_ops.c"
 #include "cpu_int8.c"
-#include "cpu_paged_attention.c" /* after cpu_int8.c: its ERR_DTYPE macro would rename that file's enum */
+#include "cpu_chunk_attention.c" /* and cpu_paged_attention.c; after cpu_int8.c, whose enum its ERR_DTYPE macro would rename */
 
 /* Return codes: 0, or the failing step's code plus its base (kernels/cpu_decoder_layer.py). */
 enum { LAYER_ERR_NOMEM = 1, LAYER_ERR_GEMM = 100, LAYER_ERR_SLOT = 200, LAYER_ERR_ATTENTION = 300 };
@@ -43,6 +43,7 @@ typedef struct {
     const int64_t *positions, *slot_mapping; /* [n] */
     const int32_t *block_tables, *seq_lens, *cu_seqlens_q;
     int64_t n, num_seqs, bt_stride, max_blocks, max_q_len;
+    int64_t chunk_attention; /* 1: chunks over max_q_len rows run in rayllm_chunk_attention (AMX) */
 } LayerArgs;
 
 static int linear(const Int8Linear *w, const void *x, int64_t n, void *y, int64_t dt, float *x_scale) {
@@ -67,6 +68,7 @@ static int attention(const LayerArgs *a, const char *qkv, void *out) {
                        .scale = a->scale, .max_q_len = a->max_q_len, .sliding_window = a->sliding_window,
                        .soft_cap = 0.0f, .sinks = NULL, .dtype = a->dtype};
     err = rayllm_paged_attention(&args);
+    if (!err && a->chunk_attention) err = rayllm_chunk_attention(&args);
     return err ? LAYER_ERR_ATTENTION + err : 0;
 }
 

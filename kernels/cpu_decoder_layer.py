@@ -24,6 +24,7 @@ _ERRORS = {
     303: (MemoryError, "paged attention: out of memory"),
     304: (ValueError, "paged attention: cu_seqlens_q must start at 0, never decrease and end at num_tokens"),
     305: (ValueError, "paged attention: a dtype it does not take"),
+    306: (ValueError, "paged attention: the AMX chunk kernel does not take this layer"),
 }
 
 
@@ -41,7 +42,7 @@ class LayerArgs(ctypes.Structure):
                [("eps", _F), ("scale", _F), ("sliding_window", _I), ("dtype", _I)] + \
                [(name, _P) for name in ("x", "residual", "out", "positions", "slot_mapping", "block_tables",
                                         "seq_lens", "cu_seqlens_q")] + \
-               [(name, _I) for name in ("n", "num_seqs", "bt_stride", "max_blocks", "max_q_len")]
+               [(name, _I) for name in ("n", "num_seqs", "bt_stride", "max_blocks", "max_q_len", "chunk_attention")]
 
 
 @functools.lru_cache(maxsize=None)

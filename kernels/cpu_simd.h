@@ -85,10 +85,24 @@ INLINE vec transpose_sum(const vec *p) {
     for (int i = 0; i < 2; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], L3_LO, L3_HI);
     return HALVES(c[0], c[1], L4_LO, L4_HI);
 }
+/* r[j] = the largest lane of p[j], j < CHUNK: as transpose_sum, with max for +. */
+#define HALVES_MAX(a, b, LO, HI) vmax(SHUF(a, b, LO), SHUF(a, b, HI))
+INLINE vec transpose_max(const vec *p) {
+    vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = HALVES_MAX(p[2 * i], p[2 * i + 1], L1_LO, L1_HI);
+    for (int i = 0; i < 4; i++) b[i] = HALVES_MAX(a[2 * i], a[2 * i + 1], L2_LO, L2_HI);
+    for (int i = 0; i < 2; i++) c[i] = HALVES_MAX(b[2 * i], b[2 * i + 1], L3_LO, L3_HI);
+    return HALVES_MAX(c[0], c[1], L4_LO, L4_HI);
+}
 #else
 INLINE vec transpose_sum(const vec *p) {
     vec r;
     for (int j = 0; j < CHUNK; j++) r[j] = hsum(p[j]);
+    return r;
+}
+INLINE vec transpose_max(const vec *p) {
+    vec r;
+    for (int j = 0; j < CHUNK; j++) r[j] = hmax(p[j]);
     return r;
 }
 #endif

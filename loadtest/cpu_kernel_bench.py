@@ -9,10 +9,11 @@
 - decode: a decode step of 64 sequences through the C kernel against the torch path, and the
   kernel's K/V bytes per second as a share of reading the same caches once (`--only decode`).
 - attention: one chunk (8 heads, 4 KV heads, head_dim 64, block 16) through the C
-  paged-attention kernel against one SDPA over the gathered blocks
+  paged-attention row kernel against one SDPA over the gathered blocks
   (kernels.torch_attention.prefill_cached), in fp32 and bf16, either side of
-  `kernel_max_q_len(dtype)`, the q_len up to which kernels/cpu_attention.py uses the kernel
-  (512; 64 for bf16 on a CPU with AMX-BF16).
+  `kernel_max_q_len`, the q_len up to which kernels/cpu_attention.py uses the row kernel
+  (512; for bf16 on a CPU with AMX-BF16, 16 with the AMX chunk kernel, 64 without); bf16 where the
+  AMX chunk kernel (kernels/cpu_chunk_attention.c) runs: that kernel against SDPA too.
 - ops: the fused C ops of a layer (kernels.cpu_ops: the residual add with RMSNorm, SiLU-and-mul)
   against the torch ops the layers run without them, in fp32 and bf16, at decode and prefill rows.
 
@@ -31,8 +32,9 @@ import torch.nn.functional as F
 
 from engine.layers.cpu_gemm import can_pack, pack, packed_linear
 from kernels import cpu_ops
-from kernels.cpu_attention import AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, _kernel, kernel_max_q_len, run_kernel
-from kernels.torch_attention import paged_attention_torch, prefill_cached
+from kernels.cpu_attention import (AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, _chunk_kernel, _kernel,
+                                   chunk_kernel_applies, kernel_max_q_len, run_kernel)
+from kernels.torch_attention import ScoreOptions, paged_attention_torch, prefill_cached
 from loadtest.report import base_metadata, format_table, write_json
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 512, 1408, 8, 4, 64, 16  # the bench model
@@ -43,8 +45,9 @@ NUM_LAYERS = 6
 LINEAR_ROWS = (32, 64, 2048)
 DTYPES = (torch.float32, torch.bfloat16)  # the attention and ops cases: the engine's CPU dtypes
 # (q_len, keys): chunks with a cached prefix, either side of the kernel's limits.
-ATTENTION_CASES = ((16, 216), (AMX_BF16_KERNEL_MAX_Q_LEN, AMX_BF16_KERNEL_MAX_Q_LEN + 200), (100, 250),
-                   (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200), (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
+ATTENTION_CASES = ((16, 216), (32, 32), (AMX_BF16_KERNEL_MAX_Q_LEN, AMX_BF16_KERNEL_MAX_Q_LEN + 200), (100, 250),
+                   (136, 136), (KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN + 200),
+                   (2 * KERNEL_MAX_Q_LEN, 2 * KERNEL_MAX_Q_LEN + 200))
 ATTENTION_TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: SDPA rounds P to bf16 before P @ V
 # Decode steps: (sequences, their context lengths' range, dtype, query heads, kv heads, head_dim).
 # The bench model's shape first: the first two fit in a 32 MB L3, the third (~65 MB of K/V) does
@@ -95,11 +98,13 @@ def attention_rows(repeats: int, gen: torch.Generator) -> list[dict]:
         return []
     rows = []
     for dtype in DTYPES:
-        rows += [_attention_row(fn, q_len, seq_len, dtype, repeats, gen) for q_len, seq_len in ATTENTION_CASES]
+        for q_len, seq_len in ATTENTION_CASES:
+            rows += _attention_rows(fn, q_len, seq_len, dtype, repeats, gen)
     return rows
 
 
-def _attention_row(fn, q_len: int, seq_len: int, dtype: torch.dtype, repeats: int, gen: torch.Generator) -> dict:
+def _attention_rows(fn, q_len: int, seq_len: int, dtype: torch.dtype, repeats: int,
+                    gen: torch.Generator) -> list[dict]:
     num_blocks = -(-seq_len // BLOCK)
     k_cache, v_cache = (torch.randn(num_blocks + 3, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
                         for _ in "kv")
@@ -111,13 +116,23 @@ def _attention_row(fn, q_len: int, seq_len: int, dtype: torch.dtype, repeats: in
     kernel = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_k,  # noqa: E731
                                 q_len)
     sdpa = lambda: prefill_cached(query, k_cache, v_cache, table[0], 0, q_len, seq_len, scale, out_s)  # noqa: E731
-    ours, peer = _median_ms([kernel, sdpa], repeats)
+    chunk_fn = _chunk_kernel() if chunk_kernel_applies(dtype, HEAD_DIM, ScoreOptions()) else None
+    out_c = torch.empty_like(query)
+    chunk = lambda: run_kernel(fn, query, k_cache, v_cache, table, seq_lens, cu, scale, out_c,  # noqa: E731
+                               0, chunk_fn=chunk_fn)
+    ours, peer, *amx = _median_ms([kernel, sdpa] + ([chunk] if chunk_fn else []), repeats)
     tol = ATTENTION_TOLS[dtype]
     torch.testing.assert_close(out_k, out_s, rtol=tol, atol=tol)  # the same attention, two ways
-    used = "kernel" if q_len <= kernel_max_q_len(dtype) else "SDPA"
-    name = str(dtype).removeprefix("torch.")
-    return {"case": f"attention {name} q_len {q_len} over {seq_len} keys (engine: {used})", "ours": "C kernel",
-            "ours_ms": ours, "peer": "SDPA", "peer_ms": peer, "ratio": peer / ours}
+    limit = kernel_max_q_len(dtype, HEAD_DIM)
+    used = "row kernel" if q_len <= limit else "AMX chunk kernel" if chunk_fn else "SDPA"
+    case = f"attention {str(dtype).removeprefix('torch.')} q_len {q_len} over {seq_len} keys (engine: {used})"
+    rows = [{"case": case, "ours": "C row kernel", "ours_ms": ours, "peer": "SDPA", "peer_ms": peer,
+             "ratio": peer / ours}]
+    if chunk_fn:
+        torch.testing.assert_close(out_c, out_s, rtol=tol, atol=tol)
+        rows.append({"case": case, "ours": "AMX chunk kernel", "ours_ms": amx[0], "peer": "SDPA", "peer_ms": peer,
+                     "ratio": peer / amx[0]})
+    return rows
 
 
 def decode_rows(repeats: int, gen: torch.Generator) -> list[dict]:

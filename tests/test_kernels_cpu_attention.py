@@ -22,6 +22,7 @@ from kernels import cpu_attention, cpu_build
 from kernels.cpu_attention import (AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, kernel_available,
                                    kernel_max_q_len, paged_attention_cpu, store_kv_cpu)
 from kernels.reference import paged_attention_ref, store_kv_ref
+from kernels.torch_attention import ScoreOptions
 
 TOL = 2e-5  # fp32: summation order only (outputs are ~1)
 # (atol, rtol) per dtype: fp32's TOL, plus one ulp of the half types (see the docstring).
@@ -71,9 +72,11 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
 
 
 def kernel_rows(batch):
-    """[num_tokens] bool: the rows the C kernel computes (chunks of up to kernel_max_q_len rows,
-    fresh or with a prefix; longer ones go to SDPA)."""
-    cu, limit = batch["cu_seqlens_q"].tolist(), kernel_max_q_len(batch["query"].dtype)
+    """[num_tokens] bool: the rows the row kernel computes (chunks of up to kernel_max_q_len rows,
+    fresh or with a prefix; longer ones go to the AMX chunk kernel or SDPA, both of which round P
+    to bf16)."""
+    opts = ScoreOptions(**{k: batch.get(k) for k in ("sliding_window", "logits_soft_cap", "sinks")})
+    cu, limit = batch["cu_seqlens_q"].tolist(), kernel_max_q_len(batch["query"].dtype, batch["query"].shape[-1], opts)
     rows = torch.zeros(cu[-1], dtype=torch.bool)
     for s in range(len(cu) - 1):
         rows[cu[s]:cu[s + 1]] = cu[s + 1] - cu[s] <= limit
@@ -164,9 +167,11 @@ def test_chunks_with_a_cached_prefix_and_fresh_chunks(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fresh_chunks_use_the_new_key_value_rows(dtype):
+def test_fresh_chunks_use_the_new_key_value_rows(dtype, monkeypatch):
     """Fresh chunks (no cached prefix): up to KERNEL_MAX_Q_LEN rows in the kernel from the cache,
-    longer ones as SDPA on the new rows themselves (their cache rows are poisoned after the store)."""
+    longer ones as SDPA on the new rows themselves (their cache rows are poisoned after the store).
+    bf16 chunks where the AMX chunk kernel runs read the cache instead: it is kept out here."""
+    monkeypatch.setattr(cpu_attention, "_chunk_kernel", lambda: None)
     long = KERNEL_MAX_Q_LEN + 5
     lens = [(20, 20), (1, 33), (long, long)]
     batch = make_batch([q for q, _ in lens], [n for _, n in lens], 4, 2, 64, dtype=dtype)
@@ -198,9 +203,11 @@ def test_the_kernel_limit_per_dtype(monkeypatch, flags, limits):
 
 @needs_kernel
 def test_bf16_chunks_over_the_amx_limit_run_as_sdpa(monkeypatch):
-    """With AMX-BF16, a fresh bf16 chunk of 65 rows runs as SDPA on the new rows (its cache blocks
-    poisoned) and a 64-row one with a prefix in the kernel: on any CPU, the flag faked."""
+    """With AMX-BF16 but no AMX chunk kernel (Linux refusing the tiles), a fresh bf16 chunk of 65
+    rows runs as SDPA on the new rows (its cache blocks poisoned) and a 64-row one with a prefix in
+    the kernel: on any CPU, the flag faked."""
     monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(cpu_attention, "_chunk_kernel", lambda: None)
     lens = [(AMX_BF16_KERNEL_MAX_Q_LEN, 90), (AMX_BF16_KERNEL_MAX_Q_LEN + 1, AMX_BF16_KERNEL_MAX_Q_LEN + 1), (1, 40)]
     batch = make_batch([q for q, _ in lens], [n for _, n in lens], 4, 2, 64, dtype=torch.bfloat16)
     q_len = lens[1][0]
@@ -216,6 +223,65 @@ def test_bf16_chunks_over_the_amx_limit_run_as_sdpa(monkeypatch):
     out = paged_attention_cpu(**batch, key=new, value=v_new)
     assert not torch.isnan(out).any(), "the 65-row fresh chunk read the cache: the kernel ran it"
     assert_close(out, ref, batch, {})
+
+
+needs_chunk_kernel = pytest.mark.skipif(cpu_attention._chunk_kernel() is None,
+                                        reason="no AMX-BF16 here (or Linux refuses the tiles)")
+
+
+def _count_chunk_calls(monkeypatch) -> list:
+    calls, fn = [], cpu_attention._chunk_kernel()
+    monkeypatch.setattr(cpu_attention, "_chunk_kernel", lambda: (lambda args: (calls.append(1), fn(args))[1]))
+    return calls
+
+
+@needs_chunk_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 32])  # 96: a last pass of two 16-dim tiles
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_long_bf16_chunks_run_on_amx_tiles(head_dim, group, block_size, monkeypatch):
+    """bf16 chunks over the row kernel's limit, fresh or after a prefix, their lengths off every
+    16-row and 32-key edge, beside decodes and short chunks: the AMX kernel's rows within SDPA's
+    tolerance (it rounds P to bf16 as SDPA does), nothing past a sequence's end read."""
+    calls = _count_chunk_calls(monkeypatch)
+    limit = kernel_max_q_len(torch.bfloat16)
+    q_lens = [limit + 1, 1, 100, 5, 2 * limit + 17, limit + 33]
+    seq_lens = [limit + 1, 40, 100, 60, 2 * limit + 17 + 45, limit + 33 + 200]
+    check(make_batch(q_lens, seq_lens, 2 * group, 2, head_dim, block_size=block_size, seed=group,
+                     dtype=torch.bfloat16))
+    assert calls == [1]
+
+
+@needs_chunk_kernel
+@pytest.mark.parametrize("window", [1, 16, 37, 100])
+def test_long_bf16_chunks_honour_a_sliding_window(window, monkeypatch):
+    """Each row sees its own window only, and the blocks before the first row's window are never
+    read (poisoned with NaN after the reference ran)."""
+    calls = _count_chunk_calls(monkeypatch)
+    limit = kernel_max_q_len(torch.bfloat16)
+    batch = make_batch([limit + 30, 1, 2 * limit], [limit + 30 + 70, 90, 2 * limit], 8, 2, 64, seed=window,
+                       dtype=torch.bfloat16)
+    check_windowed(dict(batch, sliding_window=window))
+    assert calls == [1]
+
+
+@needs_chunk_kernel
+def test_long_bf16_chunks_with_a_soft_cap_or_sinks_stay_on_sdpa(monkeypatch):
+    calls = _count_chunk_calls(monkeypatch)
+    limit = kernel_max_q_len(torch.bfloat16)
+    batch = make_batch([limit + 3], [limit + 40], 4, 2, 64, dtype=torch.bfloat16)
+    check(dict(batch, logits_soft_cap=20.0))
+    check(dict(batch, sinks=torch.randn(4)))
+    assert calls == []
+
+
+@needs_chunk_kernel
+def test_a_long_chunk_with_a_block_outside_the_cache_is_named():
+    limit = kernel_max_q_len(torch.bfloat16)
+    batch = make_batch([limit + 3], [limit + 40], 4, 2, 64, dtype=torch.bfloat16)
+    batch["block_tables"][0, 2] = batch["k_cache"].shape[0]
+    with pytest.raises(ValueError, match="block id outside the cache"):
+        paged_attention_cpu(**batch)
 
 
 def special_values(dtype, n, gen):

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from kernels.cpu_attention import AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, kernel_available
+from kernels.cpu_attention import (AMX_BF16_KERNEL_MAX_Q_LEN, AMX_CHUNK_ROW_MAX_Q_LEN, KERNEL_MAX_Q_LEN,
+                                   _chunk_kernel, kernel_available)
 from loadtest import cpu_kernel_bench as ckb
 
 
@@ -16,9 +17,12 @@ def test_attention_cases_straddle_the_kernel_limit(tmp_path, capsys):
     rows = report["rows"]
     # The kernel and SDPA computed the same attention (main checks), for chunks on both sides.
     q_lens = [q for q, _ in ckb.ATTENTION_CASES]
-    assert min(q_lens) < AMX_BF16_KERNEL_MAX_Q_LEN < KERNEL_MAX_Q_LEN < max(q_lens)
-    assert [r["peer"] for r in rows] == ["SDPA"] * len(q_lens) * 2
-    assert [r["case"].split()[1] for r in rows] == ["float32"] * len(q_lens) + ["bfloat16"] * len(q_lens)
+    assert min(q_lens) <= AMX_CHUNK_ROW_MAX_Q_LEN < AMX_BF16_KERNEL_MAX_Q_LEN < KERNEL_MAX_Q_LEN < max(q_lens)
+    # Where the AMX chunk kernel runs, each bf16 case has a second row: that kernel against SDPA.
+    bf16_ours = ["C row kernel", "AMX chunk kernel"] if _chunk_kernel() is not None else ["C row kernel"]
+    assert [r["peer"] for r in rows] == ["SDPA"] * len(q_lens) * (1 + len(bf16_ours))
+    assert [(r["case"].split()[1], r["ours"]) for r in rows] == \
+        [("float32", "C row kernel")] * len(q_lens) + [("bfloat16", o) for _ in q_lens for o in bf16_ours]
     assert all(r["ratio"] == pytest.approx(r["peer_ms"] / r["ours_ms"]) for r in rows)
     saved = json.loads(out.read_text())
     assert saved["rows"] == rows and saved["git_commit"] and saved["machine"]["cpu_count"]

@@ -10,12 +10,14 @@ fast path in front of them, as CUDA graphs are on GPUs:
   RMSNorms, all four linears W8A8 on the VNNI kernel, one tensor-parallel rank, no LoRA, fp32 or
   bf16 activations with a cache of the same dtype, no soft cap or sinks. Other layers keep their
   modules (Qwen3's q/k norms, Qwen2's biases, mixture-of-experts blocks, Gemma's norms, ...).
-- per step, a layer whose chunks all fit the C attention kernel (at most `kernel_max_q_len`
-  query rows a sequence; longer chunks need SDPA) runs fused, and any other step runs the modules.
+- per step, a layer runs fused when the C attention kernels take every chunk: always where the
+  AMX chunk kernel takes the long ones (bf16 on AMX-BF16, kernels/cpu_chunk_attention.c), else
+  when no chunk is longer than `kernel_max_q_len` rows (longer ones need SDPA: the modules run).
 """
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -24,8 +26,9 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.quantization.int8 import Int8W8A8LinearMethod, w8a8_linear_vnni
 from engine.worker.forward_context import get_forward_context
 from kernels import cpu_decoder_layer
-from kernels.cpu_attention import kernel_max_q_len
+from kernels.cpu_attention import chunk_kernel_applies, kernel_max_q_len
 from kernels.cpu_dtypes import DT_CODES
+from kernels.torch_attention import ScoreOptions
 
 logger = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)  # what the int8 kernel takes as activations
@@ -118,7 +121,12 @@ class FusedDecoderLayer:
     def __init__(self, layer, dtype: torch.dtype):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn.attn
-        self.dtype, self.max_q_len = dtype, kernel_max_q_len(dtype)
+        opts = ScoreOptions(sliding_window=self.attn.sliding_window)
+        # Chunks up to row_max_q_len rows run in the row kernel, longer ones in the AMX chunk kernel
+        # where it takes them (then every step runs fused), else the step runs the modules (SDPA).
+        self.row_max_q_len = kernel_max_q_len(dtype, attn.head_dim, opts)
+        self.chunk_attention = chunk_kernel_applies(dtype, attn.head_dim, opts)
+        self.dtype, self.max_q_len = dtype, sys.maxsize if self.chunk_attention else self.row_max_q_len
         self.hidden = layer.input_layernorm.weight.shape[0]
         # The tensors whose addresses the arguments hold, kept alive with them.
         self._keep = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -133,6 +141,7 @@ class FusedDecoderLayer:
         a.intermediate = a.down.K
         a.eps, a.scale = layer.input_layernorm.eps, self.attn.scale
         a.sliding_window, a.dtype = self.attn.sliding_window or 0, DT_CODES[dtype]
+        a.max_q_len, a.chunk_attention = self.row_max_q_len, int(self.chunk_attention)
         qkv_cols = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         shapes = {"qkv_proj": ((a.qkv.N, a.qkv.K), (qkv_cols, self.hidden)),
                   "o_proj": ((a.o_proj.N, a.o_proj.K), (self.hidden, a.num_heads * a.head_dim)),
@@ -168,6 +177,6 @@ class FusedDecoderLayer:
         a.block_tables, a.seq_lens, a.cu_seqlens_q = block_tables.data_ptr(), md.seq_lens.data_ptr(), \
             md.cu_seqlens_q.data_ptr()
         a.n, a.num_seqs = x.shape[0], block_tables.shape[0]
-        a.bt_stride, a.max_blocks, a.max_q_len = block_tables.stride(0), block_tables.shape[1], self.max_q_len
+        a.bt_stride, a.max_blocks = block_tables.stride(0), block_tables.shape[1]
         cpu_decoder_layer.run_decoder_layer(a)
         return out, residual
