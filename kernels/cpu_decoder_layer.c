@@ -10,7 +10,7 @@
  *   qkv = int8_linear(h);  rotate q and k heads in place (neox);  store this step's k, v rows
  *   a = paged_attention(q, caches)   (the row kernel up to max_q_len rows a chunk, the AMX chunk kernel above)
  *   o = int8_linear(a);  residual += o;  o = rms_norm(residual) * w_post
- *   out = int8_linear(silu(gate) * up),  [gate | up] = int8_linear(o)
+ *   out = int8_linear(silu(gate) * up),  [gate | up] = int8_linear(o)   (on AMX one pass: gemm_silu)
  */
 #include "cpu_ops.c"
 #include "cpu_int8.c"
@@ -85,8 +85,15 @@ static int layer_body(const LayerArgs *a, void *h, char *scratch, float *x_scale
     if ((err = attention(a, qkv, attn))) return err;
     if ((err = linear(&a->o_proj, attn, n, o, dt, x_scale))) return err;
     rayllm_add_rms_norm(o, H, a->residual, a->post_norm, o, H, n, H, a->eps, dt, dt);
-    if ((err = linear(&a->gate_up, o, n, gate_up, dt, x_scale))) return err;
-    rayllm_silu_and_mul(gate_up, 2 * a->intermediate, act, n, a->intermediate, dt);
+    if (n >= AMX_MIN_M && a->intermediate % LANES == 0 && rayllm_int8_amx_available()) {
+        /* gate_up and SiLU-and-mul in one pass: the same bits, without gate_up's output in memory */
+        err = rayllm_int8_w8a8_gemm_silu(o, n, H, dt, a->gate_up.input_scale, a->gate_up.packed, a->gate_up.comp,
+                                         a->gate_up.w_scale, a->gate_up.K, a->gate_up.N, act, dt, x_scale);
+        if (err) return LAYER_ERR_GEMM + err;
+    } else {
+        if ((err = linear(&a->gate_up, o, n, gate_up, dt, x_scale))) return err;
+        rayllm_silu_and_mul(gate_up, 2 * a->intermediate, act, n, a->intermediate, dt);
+    }
     return linear(&a->down, act, n, a->out, dt, x_scale);
 }
 

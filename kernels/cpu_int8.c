@@ -48,7 +48,7 @@
 #endif
 
 enum { OUT_F32 = DT_F32, OUT_BF16 = DT_BF16, OUT_I32 = 3 }; /* shared with kernels/cpu_int8.py */
-enum { OK = 0, ERR_NO_VNNI = 1, ERR_NOMEM = 2, ERR_DTYPE = 3, ERR_NO_AMX = 4 };
+enum { OK = 0, ERR_NO_VNNI = 1, ERR_NOMEM = 2, ERR_DTYPE = 3, ERR_NO_AMX = 4, ERR_SHAPE = 5 };
 enum { ISA_AUTO = 0, ISA_VNNI = 1, ISA_AMX = 2 }; /* which instructions multiply: kernels/cpu_int8.py */
 
 int rayllm_int8_vnni_available(void) { return HAVE_VNNI; }
@@ -71,9 +71,13 @@ typedef struct {
     const int8_t *packed;  /* [Np / 16][Kp / 4][16][4] */
     const int32_t *comp;   /* [N] */
     const float *w_scale;  /* [N] */
-    void *y;               /* [M, N], type out_dt */
+    void *y;               /* [M, N], type out_dt; gated: [M, N / 2] */
     int64_t M, N, Kp, out_dt;
+    int64_t gated;         /* 1: y = silu(gate) * up of the outputs' halves [gate | up] (AMX only) */
 } Gemm;
+
+/* Blocks of LANES outputs the tasks split: the gate half's when gated (each carries its up block). */
+INLINE int64_t out_blocks(const Gemm *g) { return ((g->gated ? g->N / 2 : g->N) + LANES - 1) / LANES; }
 
 INLINE __mmask16 tail_mask(int64_t n) { return n >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
@@ -251,8 +255,33 @@ static void amx_store_tile(const Gemm *g, const int32_t c[16][LANES], int64_t m0
     }
 }
 
-/* Rows m0..m0 + 16 * ra against the blocks b0..b0 + cb (ra, cb: 1 or 2) over all of Kp, stored. */
-INLINE void amx_tile(const Gemm *g, int64_t m0, int64_t b0, const int ra, const int cb) {
+/* Gated: y[m, n..n+16) = silu(gate) * up from the gate tile cg (outputs n..) and the up tile cu
+ * (outputs N / 2 + n..): each rounded to out_dt first, as this GEMM stores its outputs, then as
+ * cpu_ops.c's rayllm_silu_and_mul computes on them, so the result is the two calls' to the bit. */
+static void amx_store_gated(const Gemm *g, const int32_t cg[16][LANES], const int32_t cu[16][LANES], int64_t m0,
+                            int64_t n) {
+    const int64_t half = g->N / 2;
+    const __m512i comp_g = _mm512_loadu_si512(g->comp + n), comp_u = _mm512_loadu_si512(g->comp + half + n);
+    const __m512 ws_g = _mm512_loadu_ps(g->w_scale + n), ws_u = _mm512_loadu_ps(g->w_scale + half + n);
+    const int rows = g->M - m0 < 16 ? (int)(g->M - m0) : 16;
+    for (int r = 0; r < rows; r++) {
+        const __m512 xs = _mm512_set1_ps(g->x_scale[m0 + r]);
+        const __m512 fg = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cg[r]), comp_g)), xs), ws_g);
+        const __m512 fu = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cu[r]), comp_u)), xs), ws_u);
+        vec gv, uv;
+        memcpy(&gv, &fg, sizeof gv);
+        memcpy(&uv, &fu, sizeof uv);
+        if (g->out_dt == OUT_BF16)
+            store_as(g->y, (m0 + r) * half + n, round_to(silu(round_to(gv, DT_BF16)), DT_BF16) * round_to(uv, DT_BF16),
+                     DT_BF16);
+        else
+            store_as(g->y, (m0 + r) * half + n, silu(gv) * uv, DT_F32);
+    }
+}
+
+/* Rows m0..m0 + 16 * ra against the blocks b0 and b0 + second (cb: 1 or 2; ra: 1 or 2) over all
+ * of Kp, stored: second is 1 (a pair of neighbours), or N / 32 when gated (a gate block and its up). */
+INLINE void amx_tile(const Gemm *g, int64_t m0, int64_t b0, int64_t second, const int ra, const int cb) {
     const int64_t Kp = g->Kp, block_bytes = Kp * LANES;
     const uint8_t *a = g->xq + m0 * Kp;
     const int8_t *b = g->packed + b0 * block_bytes;
@@ -264,7 +293,7 @@ INLINE void amx_tile(const Gemm *g, int64_t m0, int64_t b0, const int ra, const 
         _tile_loadd(4, a + k, Kp);
         _tile_loadd(6, b + k * LANES, 64);
         if (ra > 1) _tile_loadd(5, a + 16 * Kp + k, Kp);
-        if (cb > 1) _tile_loadd(7, b + block_bytes + k * LANES, 64);
+        if (cb > 1) _tile_loadd(7, b + second * block_bytes + k * LANES, 64);
         _tile_dpbusd(0, 4, 6);
         if (cb > 1) _tile_dpbusd(1, 4, 7);
         if (ra > 1) _tile_dpbusd(2, 5, 6);
@@ -275,24 +304,33 @@ INLINE void amx_tile(const Gemm *g, int64_t m0, int64_t b0, const int ra, const 
     _tile_stored(1, c[1], LANES * 4);
     _tile_stored(2, c[2], LANES * 4);
     _tile_stored(3, c[3], LANES * 4);
+    if (g->gated) {
+        for (int i = 0; i < ra; i++) amx_store_gated(g, c[i * 2], c[i * 2 + 1], m0 + i * 16, b0 * LANES);
+        return;
+    }
     for (int j = 0; j < cb; j++)
         for (int i = 0; i < ra; i++) amx_store_tile(g, c[i * 2 + j], m0 + i * 16, (b0 + j) * LANES);
 }
 
-static void amx_tile_any(const Gemm *g, int64_t m0, int64_t b0, int ra, int cb) {
-    if (ra == 2 && cb == 2) amx_tile(g, m0, b0, 2, 2);
-    else if (ra == 2) amx_tile(g, m0, b0, 2, 1);
-    else if (cb == 2) amx_tile(g, m0, b0, 1, 2);
-    else amx_tile(g, m0, b0, 1, 1);
+static void amx_tile_any(const Gemm *g, int64_t m0, int64_t b0, int64_t second, int ra, int cb) {
+    if (ra == 2 && cb == 2) amx_tile(g, m0, b0, second, 2, 2);
+    else if (ra == 2) amx_tile(g, m0, b0, second, 2, 1);
+    else if (cb == 2) amx_tile(g, m0, b0, second, 1, 2);
+    else amx_tile(g, m0, b0, second, 1, 1);
 }
 
 /* Rows [m0, m1) against the panel of up to AMX_NR blocks from b0, 32 rows x 32 outputs at a time:
  * a wide panel, so the 32 rows' tiles are read from L1 again for each pair of blocks. */
 static void amx_task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0) {
-    const int64_t num_blocks = (g->N + LANES - 1) / LANES;
+    const int64_t num_blocks = out_blocks(g);
     const int64_t b1 = b0 + AMX_NR < num_blocks ? b0 + AMX_NR : num_blocks;
-    for (int64_t m = m0; m < m1; m += 32)
-        for (int64_t b = b0; b < b1; b += 2) amx_tile_any(g, m, b, m1 - m > 16 ? 2 : 1, b1 - b > 1 ? 2 : 1);
+    for (int64_t m = m0; m < m1; m += 32) {
+        const int ra = m1 - m > 16 ? 2 : 1;
+        if (g->gated) /* gate block b with its up block, num_blocks further */
+            for (int64_t b = b0; b < b1; b++) amx_tile_any(g, m, b, num_blocks, ra, 2);
+        else
+            for (int64_t b = b0; b < b1; b += 2) amx_tile_any(g, m, b, 1, ra, b1 - b > 1 ? 2 : 1);
+    }
 }
 #endif
 
@@ -310,27 +348,18 @@ static void task(const Gemm *g, int64_t m0, int64_t m1, int64_t b0, int use_amx)
     for (int64_t m = m0; m < m1; m += MR) tile_any(g, m, b0, m1 - m < MR ? (int)(m1 - m) : MR, cols);
 }
 
-/* y [M, N] (type out_dt, contiguous) from x [M, K] (type x_dt, rows x_stride elements apart).
- * static_scale: one input scale, or NULL for per-token scales; x_scale_out: [M], the scales
- * used (for the int32 output's caller); isa: ISA_AUTO, or ISA_VNNI / ISA_AMX to pick. Returns
- * OK, or ERR_NOMEM / ERR_DTYPE / ERR_NO_AMX (y untouched). */
-int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
-                          const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
-                          void *y, int64_t out_dt, float *x_scale_out, int64_t isa) {
-    if ((x_dt != DT_F32 && x_dt != DT_BF16) || (out_dt != OUT_F32 && out_dt != OUT_BF16 && out_dt != OUT_I32))
-        return ERR_DTYPE;
-    const int amx = rayllm_int8_amx_available();
-    if (isa == ISA_AMX && !amx) return ERR_NO_AMX;
-    /* AMX when asked for, or on auto where it runs and M has enough rows to fill its tiles */
-    const int use_amx = isa == ISA_AMX || (isa == ISA_AUTO && amx && M >= AMX_MIN_M);
+/* y from x [M, K] (type x_dt, rows x_stride elements apart); the entry points below say which y. */
+static int gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
+                const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N, void *y,
+                int64_t out_dt, float *x_scale_out, int use_amx, int64_t gated) {
     const int64_t Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN, esize = x_dt == DT_F32 ? 4 : 2;
     const int64_t Mp = use_amx ? (M + 15) / 16 * 16 : M; /* AMX reads whole tiles of 16 rows */
     uint8_t *xq = aligned_alloc(64, (size_t)((Mp * Kp + 63) / 64 * 64));
     if (!xq) return ERR_NOMEM;
     memset(xq + M * Kp, 128, (size_t)((Mp - M) * Kp));
-    const Gemm g = {xq, x_scale_out, packed, comp, w_scale, y, M, N, Kp, out_dt};
+    const Gemm g = {xq, x_scale_out, packed, comp, w_scale, y, M, N, Kp, out_dt, gated};
     const int64_t panel = use_amx ? AMX_NR : NR, num_chunks = (M + MC - 1) / MC;
-    const int64_t num_panels = ((N + LANES - 1) / LANES + panel - 1) / panel;
+    const int64_t num_panels = (out_blocks(&g) + panel - 1) / panel;
 #pragma omp parallel if (M * N * K >= PARALLEL_MIN_MACS)
     {
 #pragma omp for schedule(static)
@@ -352,12 +381,48 @@ int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_
     free(xq);
     return OK;
 }
+
+/* y [M, N] (type out_dt, contiguous). static_scale: one input scale, or NULL for per-token
+ * scales; x_scale_out: [M], the scales used (for the int32 output's caller); isa: ISA_AUTO, or
+ * ISA_VNNI / ISA_AMX to pick. Returns OK, or ERR_NOMEM / ERR_DTYPE / ERR_NO_AMX (y untouched). */
+int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
+                          const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
+                          void *y, int64_t out_dt, float *x_scale_out, int64_t isa) {
+    if ((x_dt != DT_F32 && x_dt != DT_BF16) || (out_dt != OUT_F32 && out_dt != OUT_BF16 && out_dt != OUT_I32))
+        return ERR_DTYPE;
+    const int amx = rayllm_int8_amx_available();
+    if (isa == ISA_AMX && !amx) return ERR_NO_AMX;
+    /* AMX when asked for, or on auto where it runs and M has enough rows to fill its tiles */
+    const int use_amx = isa == ISA_AMX || (isa == ISA_AUTO && amx && M >= AMX_MIN_M);
+    return gemm(x, M, x_stride, x_dt, static_scale, packed, comp, w_scale, K, N, y, out_dt, x_scale_out, use_amx, 0);
+}
+
+/* The gate_up projection and SiLU-and-mul in one pass, on AMX: the weight's N outputs are
+ * [gate | up] (N / 2 a multiple of 16), y [M, N / 2] = silu(gate) * up in out_dt (fp32 or bf16),
+ * the same bits as rayllm_int8_w8a8_gemm then cpu_ops.c's rayllm_silu_and_mul. Returns OK, or
+ * ERR_NOMEM / ERR_DTYPE / ERR_NO_AMX / ERR_SHAPE (y untouched). */
+int rayllm_int8_w8a8_gemm_silu(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
+                               const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
+                               void *y, int64_t out_dt, float *x_scale_out) {
+    if ((x_dt != DT_F32 && x_dt != DT_BF16) || (out_dt != OUT_F32 && out_dt != OUT_BF16)) return ERR_DTYPE;
+    if (!rayllm_int8_amx_available()) return ERR_NO_AMX;
+    if (N % (2 * LANES)) return ERR_SHAPE;
+    return gemm(x, M, x_stride, x_dt, static_scale, packed, comp, w_scale, K, N, y, out_dt, x_scale_out, 1, 1);
+}
 #else
 int rayllm_int8_w8a8_gemm(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
                           const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
                           void *y, int64_t out_dt, float *x_scale_out, int64_t isa) {
     (void)x, (void)M, (void)x_stride, (void)x_dt, (void)static_scale, (void)packed, (void)comp, (void)w_scale;
     (void)K, (void)N, (void)y, (void)out_dt, (void)x_scale_out, (void)isa;
+    return ERR_NO_VNNI;
+}
+
+int rayllm_int8_w8a8_gemm_silu(const void *x, int64_t M, int64_t x_stride, int64_t x_dt, const float *static_scale,
+                               const int8_t *packed, const int32_t *comp, const float *w_scale, int64_t K, int64_t N,
+                               void *y, int64_t out_dt, float *x_scale_out) {
+    (void)x, (void)M, (void)x_stride, (void)x_dt, (void)static_scale, (void)packed, (void)comp, (void)w_scale;
+    (void)K, (void)N, (void)y, (void)out_dt, (void)x_scale_out;
     return ERR_NO_VNNI;
 }
 #endif

@@ -3,6 +3,7 @@
     pack_int8_vnni(q [N, K] int8, scale [N] fp32) -> CpuInt8Weights       once, at load
     int8_linear_cpu(x [M, K], w, input_scale=None, isa="auto") -> [M, N] in x's dtype
     int8_matmul_s32_cpu(x, w, input_scale=None, isa="auto") -> (acc int32 [M, N], x_scale fp32 [M, 1])
+    int8_linear_silu_cpu(x, w, input_scale=None) -> [M, N / 2]: silu(gate) * up of [gate | up], on AMX
 
 x is fp32 or bf16. Without `input_scale` each row of x is quantized by its own absmax / 127 (per
 token, dynamic); with it ([1] fp32, a checkpoint's static scale) every row by that. Then
@@ -36,6 +37,7 @@ _SIGNATURES = {  # name: (argtypes, restype), as declared in cpu_int8.c
     "rayllm_int8_vnni_available": ([], ctypes.c_int),
     "rayllm_int8_amx_available": ([], ctypes.c_int),
     "rayllm_int8_w8a8_gemm": ([_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P, _I], ctypes.c_int),
+    "rayllm_int8_w8a8_gemm_silu": ([_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P], ctypes.c_int),
 }
 LANES = 16  # outputs per packed block (cpu_int8.c)
 K_GROUP = 4  # inputs per lane per vpdpbusd
@@ -47,7 +49,8 @@ X_DTYPES = (torch.float32, torch.bfloat16)
 # Input and output types: cpu_simd.h's DT_* codes, and cpu_int8.c's OUT_I32 for the int32 sums.
 _DTYPE_CODES = {**{t: DT_CODES[t] for t in X_DTYPES}, torch.int32: 3}
 _ERRORS = {1: "this CPU build has no AVX-512 VNNI", 2: "out of memory for the quantized activations",
-           3: "a dtype the kernel does not take", 4: "AMX does not run here (see amx_available())"}
+           3: "a dtype the kernel does not take", 4: "AMX does not run here (see amx_available())",
+           5: "the gated matmul needs N a multiple of 32 ([gate | up], halves of whole blocks)"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,6 +171,28 @@ def int8_matmul_s32_cpu(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.T
                         isa: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (qx @ q^T as int32 [M, N], the x_scale [M, 1] fp32 each row was quantized by)."""
     return _gemm(x, w, input_scale, torch.int32, isa)
+
+
+def int8_linear_silu_cpu(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> silu(gate) * up of the [M, N] output's halves [gate | up], [M, N / 2] in x's dtype:
+    int8_linear_cpu then cpu_ops.silu_and_mul to the bit, in one pass on AMX tiles (amx_available()
+    must hold, and N be a multiple of 32)."""
+    _check(x, w, input_scale, "amx")
+    if not amx_available():
+        raise RuntimeError(f"cpu_int8: {_ERRORS[4]}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], w.shape[0]
+    y = torch.empty(m, n // 2, dtype=x.dtype)
+    x_scale = torch.empty(m, dtype=torch.float32)
+    if m:
+        err = _lib().rayllm_int8_w8a8_gemm_silu(
+            x.data_ptr(), m, x.stride(0), _DTYPE_CODES[x.dtype],
+            None if input_scale is None else input_scale.data_ptr(), w.packed.data_ptr(), w.comp.data_ptr(),
+            w.scale.data_ptr(), w.in_features, n, y.data_ptr(), _DTYPE_CODES[x.dtype], x_scale.data_ptr())
+        if err:
+            raise (MemoryError if err == 2 else ValueError)(f"cpu_int8: {_ERRORS.get(err, err)}")
+    return y
 
 
 def quantize_reference(x: torch.Tensor, input_scale: torch.Tensor | None = None):

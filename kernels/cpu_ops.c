@@ -69,15 +69,6 @@ void rayllm_add_rms_norm(const void *x, int64_t x_stride, void *residual, const 
     }
 }
 
-/* x * sigmoid(x) lane-wise with one exp and one division: with e = e^-|x| (never overflows),
- * sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below. */
-INLINE vec silu(vec x) {
-    const ivec neg = x < 0.0f;
-    const vec e = exp_nonpos((vec)((ivec)x | (int32_t)0x80000000)); /* e^-|x|: the sign bit set */
-    const vec num = (vec)(((ivec)e & neg) | ((ivec)splat(1.0f) & ~neg));
-    return x * num / (1.0f + e);
-}
-
 /* One row of rayllm_silu_and_mul in type dt: silu(gate) is rounded to dt before the multiply
  * and the product after it, as torch's F.silu(gate).mul_(up) in that type. */
 INLINE void silu_mul_row(const void *g, void *o, int64_t d, int dt) {

@@ -64,6 +64,16 @@ INLINE float exp1(float x) { /* scalar e^x, x <= 0 */
     return exp_nonpos(splat(x))[0];
 }
 
+/* x * sigmoid(x) lane-wise with one exp and one division: with e = e^-|x| (never overflows),
+ * sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below. Shared by cpu_ops.c's SiLU-and-mul
+ * and cpu_int8.c's gated epilogue, which must agree to the bit. */
+INLINE vec silu(vec x) {
+    const ivec neg = x < 0.0f;
+    const vec e = exp_nonpos((vec)((ivec)x | (int32_t)0x80000000)); /* e^-|x|: the sign bit set */
+    const vec num = (vec)(((ivec)e & neg) | ((ivec)splat(1.0f) & ~neg));
+    return x * num / (1.0f + e);
+}
+
 /* r[j] = sum of the lanes of p[j], j < CHUNK: CHUNK horizontal sums at once. Each
  * level adds the two halves of every lane group of a pair of vectors (16 -> 8 -> 4 ->
  * 2 -> 1 lanes per input), 15 shuffle pairs instead of 16 separate reductions. */

@@ -118,6 +118,25 @@ def test_quotients_a_few_ulps_from_half_integers_round_as_a_division(isa):
     assert acc[0, :3].tolist() == [127, -127, 4]
 
 
+@pytest.mark.skipif(not cpu_int8.amx_available(), reason="no AMX here")
+@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_the_gated_matmul_equals_the_matmul_then_silu_and_mul(rows, dtype, static):
+    """int8_linear_silu_cpu computes the gate and up halves' tiles together and applies SiLU in
+    the epilogue: bit for bit the two calls it replaces, rows in any number of 16-row tiles."""
+    from kernels import cpu_ops
+
+    q, scale = make_weight(2 * 48, 70, seed=rows)
+    x = make_x(rows, 70, dtype, seed=rows + 1)
+    w = cpu_int8.pack_int8_vnni(q, scale)
+    input_scale = torch.tensor([0.06]) if static else None
+    want = cpu_ops.silu_and_mul(cpu_int8.int8_linear_cpu(x, w, input_scale, isa="amx"))
+    assert torch.equal(cpu_int8.int8_linear_silu_cpu(x, w, input_scale), want)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_int8.int8_linear_silu_cpu(x, cpu_int8.pack_int8_vnni(*make_weight(48, 70, seed=0)))
+
+
 @needs_kernel
 def test_the_plus_128_offset_is_taken_back():
     """Weights of one sign: every output's correction 128 * sum_k w[n, k] is large, and a row of
@@ -251,6 +270,7 @@ def test_unavailable_where_the_library_has_no_vnni(monkeypatch):
         rayllm_int8_vnni_available = Fn(0)
         rayllm_int8_amx_available = Fn(0)
         rayllm_int8_w8a8_gemm = Fn(1)
+        rayllm_int8_w8a8_gemm_silu = Fn(1)
 
     monkeypatch.setattr(cpu_int8, "load_kernel_library", lambda name: NoVnniLibrary())
     cpu_int8._lib.cache_clear()
