@@ -163,8 +163,8 @@ class FusedDecoderLayer:
         if (x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.hidden or not x.is_contiguous()
                 or (residual is not None and (not residual.is_contiguous() or residual.shape != x.shape))):
             return None
-        slot_mapping, block_tables = md.kv_group(self.attn.kv_group)
-        if not _step_tensors_fit(x.shape[0], positions, slot_mapping, block_tables, md):
+        step = _step_fields(md, self.attn.kv_group, positions, x.shape[0])
+        if step is None:
             return None
         residual = x if residual is None else residual
         out = torch.empty_like(x)
@@ -173,10 +173,29 @@ class FusedDecoderLayer:
         a.k_cache, a.v_cache = k_cache.data_ptr(), self.attn.v_cache.data_ptr()
         a.num_blocks, a.block_size = k_cache.shape[0], k_cache.shape[1]
         a.x, a.residual, a.out = x.data_ptr(), residual.data_ptr(), out.data_ptr()
-        a.positions, a.slot_mapping = positions.data_ptr(), slot_mapping.data_ptr()
-        a.block_tables, a.seq_lens, a.cu_seqlens_q = block_tables.data_ptr(), md.seq_lens.data_ptr(), \
-            md.cu_seqlens_q.data_ptr()
-        a.n, a.num_seqs = x.shape[0], block_tables.shape[0]
-        a.bt_stride, a.max_blocks = block_tables.stride(0), block_tables.shape[1]
+        (a.n, a.positions, a.slot_mapping, a.block_tables, a.seq_lens, a.cu_seqlens_q, a.num_seqs, a.bt_stride,
+         a.max_blocks) = step
         cpu_decoder_layer.run_decoder_layer(a)
         return out, residual
+
+
+# The last step's fields, shared by its layers (one forward context, one kv group): the checks and
+# the pointer reads run once a step, not once a layer. One tuple, read and replaced whole, so two
+# engines stepping in two threads never mix their steps.
+_last_step: tuple | None = None  # (md, kv_group, positions, n, fields)
+
+
+def _step_fields(md, kv_group: int, positions: torch.Tensor, n: int) -> tuple | None:
+    """(n, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_seqs, bt_stride,
+    max_blocks) for LayerArgs, or None where the step's index tensors do not fit the kernel."""
+    global _last_step
+    last = _last_step
+    if last is not None and last[0] is md and last[1] == kv_group and last[2] is positions and last[3] == n:
+        return last[4]
+    slot_mapping, block_tables = md.kv_group(kv_group)
+    fields = None
+    if _step_tensors_fit(n, positions, slot_mapping, block_tables, md):
+        fields = (n, positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), md.seq_lens.data_ptr(),
+                  md.cu_seqlens_q.data_ptr(), block_tables.shape[0], block_tables.stride(0), block_tables.shape[1])
+    _last_step = (md, kv_group, positions, n, fields)
+    return fields

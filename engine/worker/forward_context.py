@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -97,10 +98,15 @@ def set_forward_context(attn_metadata: AttentionMetadata | None,
         _forward_context = prev
 
 
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
+
+
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> device tensor: the one way a step's inputs (the runner's, the sampler's) reach the device.
     On CUDA, via pinned memory and non_blocking: the copy overlaps, nothing syncs."""
-    host = torch.tensor(data, dtype=dtype)
+    # Nested lists (block tables) through numpy: torch.tensor walks them element by element.
+    host = torch.from_numpy(np.array(data, dtype=_NUMPY[dtype])) \
+        if data and isinstance(data[0], list) and dtype in _NUMPY else torch.tensor(data, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
