@@ -74,12 +74,14 @@ INLINE vec silu(vec x) {
     return x * num / (1.0f + e);
 }
 
-/* r[j] = sum of the lanes of p[j], j < CHUNK: CHUNK horizontal sums at once. Each
- * level adds the two halves of every lane group of a pair of vectors (16 -> 8 -> 4 ->
- * 2 -> 1 lanes per input), 15 shuffle pairs instead of 16 separate reductions. */
+/* r[j] = sum (or, with use_max, a constant once inlined: max) of the lanes of p[j], j < CHUNK:
+ * CHUNK horizontal reductions at once. Each level combines the two halves of every lane group of
+ * a pair of vectors (16 -> 8 -> 4 -> 2 -> 1 lanes per input), 15 shuffle pairs instead of 16
+ * separate reductions. */
+INLINE vec combine(vec a, vec b, const int use_max) { return use_max ? vmax(a, b) : a + b; }
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#define HALVES(a, b, LO, HI) (SHUF(a, b, LO) + SHUF(a, b, HI))
+#define HALVES(a, b, LO, HI, M) combine(SHUF(a, b, LO), SHUF(a, b, HI), M)
 #define L1_LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define L1_HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define L2_LO 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
@@ -88,34 +90,22 @@ INLINE vec silu(vec x) {
 #define L3_HI 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
 #define L4_LO 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define L4_HI 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-INLINE vec transpose_sum(const vec *p) {
+INLINE vec transpose_reduce(const vec *p, const int use_max) {
     vec a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) a[i] = HALVES(p[2 * i], p[2 * i + 1], L1_LO, L1_HI);
-    for (int i = 0; i < 4; i++) b[i] = HALVES(a[2 * i], a[2 * i + 1], L2_LO, L2_HI);
-    for (int i = 0; i < 2; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], L3_LO, L3_HI);
-    return HALVES(c[0], c[1], L4_LO, L4_HI);
-}
-/* r[j] = the largest lane of p[j], j < CHUNK: as transpose_sum, with max for +. */
-#define HALVES_MAX(a, b, LO, HI) vmax(SHUF(a, b, LO), SHUF(a, b, HI))
-INLINE vec transpose_max(const vec *p) {
-    vec a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) a[i] = HALVES_MAX(p[2 * i], p[2 * i + 1], L1_LO, L1_HI);
-    for (int i = 0; i < 4; i++) b[i] = HALVES_MAX(a[2 * i], a[2 * i + 1], L2_LO, L2_HI);
-    for (int i = 0; i < 2; i++) c[i] = HALVES_MAX(b[2 * i], b[2 * i + 1], L3_LO, L3_HI);
-    return HALVES_MAX(c[0], c[1], L4_LO, L4_HI);
+    for (int i = 0; i < 8; i++) a[i] = HALVES(p[2 * i], p[2 * i + 1], L1_LO, L1_HI, use_max);
+    for (int i = 0; i < 4; i++) b[i] = HALVES(a[2 * i], a[2 * i + 1], L2_LO, L2_HI, use_max);
+    for (int i = 0; i < 2; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], L3_LO, L3_HI, use_max);
+    return HALVES(c[0], c[1], L4_LO, L4_HI, use_max);
 }
 #else
-INLINE vec transpose_sum(const vec *p) {
+INLINE vec transpose_reduce(const vec *p, const int use_max) {
     vec r;
-    for (int j = 0; j < CHUNK; j++) r[j] = hsum(p[j]);
-    return r;
-}
-INLINE vec transpose_max(const vec *p) {
-    vec r;
-    for (int j = 0; j < CHUNK; j++) r[j] = hmax(p[j]);
+    for (int j = 0; j < CHUNK; j++) r[j] = use_max ? hmax(p[j]) : hsum(p[j]);
     return r;
 }
 #endif
+INLINE vec transpose_sum(const vec *p) { return transpose_reduce(p, 0); }
+INLINE vec transpose_max(const vec *p) { return transpose_reduce(p, 1); }
 
 /* Element types a kernel reads and writes as floats; the codes are shared with the Python
  * wrappers. Call sites pass the type as a compile-time constant through these always-inlined
