@@ -1,20 +1,22 @@
 /* One Llama-family decoder layer on CPU in one call, its linear layers INT8 W8A8: the same C ops
  * the layer's modules call one by one (cpu_ops.c, cpu_int8.c, cpu_chunk_attention.c with
- * cpu_paged_attention.c, included here whole so one library holds them), in the same order on the same bytes, so the result is
- * the modules' to the bit. What it saves is the Python between them: at decode that glue cost
+ * cpu_paged_attention.c, included here whole so one library holds them), in the same order on
+ * the same bytes, so the result is the modules' to the bit. What it saves is the Python between them: at decode that glue cost
  * about as much as the int8 matmuls (docs/benchmarks.md). The wrapper, the checks and the
  * conditions it applies under are kernels/cpu_decoder_layer.py and engine/layers/cpu_fused_layer.py.
  *
  *   first layer (residual == x):  h = rms_norm(x) * w_in                 (x kept as the residual)
  *   other layers:                 residual += x;  h = rms_norm(residual) * w_in   (h is x's memory)
  *   qkv = int8_linear(h);  rotate q and k heads in place (neox);  store this step's k, v rows
- *   a = paged_attention(q, caches)   (the row kernel up to max_q_len rows a chunk, the AMX chunk kernel above)
+ *   a = paged_attention(q, caches)   (the row kernel up to max_q_len rows a chunk, AMX above)
  *   o = int8_linear(a);  residual += o;  o = rms_norm(residual) * w_post
  *   out = int8_linear(silu(gate) * up),  [gate | up] = int8_linear(o)   (on AMX one pass: gemm_silu)
  */
 #include "cpu_ops.c"
 #include "cpu_int8.c"
-#include "cpu_chunk_attention.c" /* and cpu_paged_attention.c; after cpu_int8.c, whose enum its ERR_DTYPE macro would rename */
+/* cpu_chunk_attention.c includes cpu_paged_attention.c, whose ERR_DTYPE macro would rename
+ * cpu_int8.c's enum constant of that name were it included first (a compile error, not a bug). */
+#include "cpu_chunk_attention.c"
 
 /* Return codes: 0, or the failing step's code plus its base (kernels/cpu_decoder_layer.py). */
 enum { LAYER_ERR_NOMEM = 1, LAYER_ERR_GEMM = 100, LAYER_ERR_SLOT = 200, LAYER_ERR_ATTENTION = 300 };
@@ -28,7 +30,7 @@ typedef struct {
 } Int8Linear;
 
 typedef struct {
-    /* the layer, fixed once bound */
+    /* the layer, fixed once bound (its cache's address and shape set again each call) */
     Int8Linear qkv, o_proj, gate_up, down;
     const void *input_norm, *post_norm; /* [hidden], of dtype */
     const float *cos_sin;               /* [max_pos, head_dim] fp32 */
