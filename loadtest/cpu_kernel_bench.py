@@ -15,7 +15,9 @@
   (512; for bf16 on a CPU with AMX-BF16, 16 with the AMX chunk kernel, 64 without); bf16 where the
   AMX chunk kernel (kernels/cpu_chunk_attention.c) runs: that kernel against SDPA too.
 - ops: the fused C ops of a layer (kernels.cpu_ops: the residual add with RMSNorm, SiLU-and-mul)
-  against the torch ops the layers run without them, in fp32 and bf16, at decode and prefill rows.
+  against the torch ops the layers run without them, in fp32 and bf16, at decode and prefill rows;
+  where AMX runs, the INT8 gate_up projection with SiLU-and-mul in one pass
+  (kernels.cpu_int8.int8_linear_silu_cpu) against the int8 matmul and then the C op.
 
 Peers alternate within each repeat; times are medians. The ratio column (peer / ours,
 above 1: ours is faster) is the figure; absolute CPU times vary with the box.
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.cpu_gemm import can_pack, pack, packed_linear
-from kernels import cpu_ops
+from kernels import cpu_int8, cpu_ops
 from kernels.cpu_attention import (AMX_BF16_KERNEL_MAX_Q_LEN, KERNEL_MAX_Q_LEN, _chunk_kernel, _kernel,
                                    chunk_kernel_applies, kernel_max_q_len, run_kernel)
 from kernels.torch_attention import ScoreOptions, paged_attention_torch, prefill_cached
@@ -192,7 +194,24 @@ def ops_rows(repeats: int, gen: torch.Generator) -> list[dict]:
                 ours, peer = _median_ms([ours_fn, peer_fn], repeats)
                 rows.append({"case": case, "ours": "C op", "ours_ms": ours, "peer": "torch ops", "peer_ms": peer,
                              "ratio": peer / ours})
+            rows += _gated_rows(x, n, name, repeats, gen)
     return rows
+
+
+def _gated_rows(x: torch.Tensor, n: int, name: str, repeats: int, gen: torch.Generator) -> list[dict]:
+    """Where AMX runs: the INT8 W8A8 gate_up projection with SiLU-and-mul in its epilogue (what the
+    fused decoder layer calls) against the two calls it replaces."""
+    if not cpu_int8.amx_available():
+        return []
+    q = torch.randint(-127, 128, (2 * INTERMEDIATE, HIDDEN), generator=gen, dtype=torch.int8)
+    w = cpu_int8.pack_int8_vnni(q, torch.rand(2 * INTERMEDIATE, generator=gen) * 1e-2)
+    one_pass = lambda: cpu_int8.int8_linear_silu_cpu(x, w)  # noqa: E731
+    two_calls = lambda: cpu_ops.silu_and_mul(cpu_int8.int8_linear_cpu(x, w))  # noqa: E731
+    ours, peer = _median_ms([one_pass, two_calls], repeats)
+    assert torch.equal(one_pass(), two_calls())  # the same bits
+    return [{"case": f"int8 gate_up + silu_and_mul {name} {n} x {HIDDEN} -> 2 x {INTERMEDIATE}",
+             "ours": "one AMX pass", "ours_ms": ours, "peer": "int8 matmul, then the C op", "peer_ms": peer,
+             "ratio": peer / ours}]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -54,9 +54,13 @@ def test_ops_cases_time_each_fused_op_against_its_torch_ops(tmp_path, monkeypatc
         pytest.skip("the C ops are not built here")
     monkeypatch.setattr(ckb, "OPS_ROWS", (3,))
     rows = ckb.main(["--only", "ops", "--repeats", "1", "--out", str(tmp_path / "b.json")])["rows"]
-    assert [r["case"] for r in rows] == ["add + rms_norm float32 3 x 512", "silu_and_mul float32 3 x 2 x 1408",
-                                         "add + rms_norm bfloat16 3 x 512", "silu_and_mul bfloat16 3 x 2 x 1408"]
-    assert all(r["peer"] == "torch ops" and r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
+    from kernels import cpu_int8
+    gated = ["int8 gate_up + silu_and_mul %s 3 x 512 -> 2 x 1408"] if cpu_int8.amx_available() else []
+    assert [r["case"] for r in rows] == [
+        "add + rms_norm float32 3 x 512", "silu_and_mul float32 3 x 2 x 1408", *(g % "float32" for g in gated),
+        "add + rms_norm bfloat16 3 x 512", "silu_and_mul bfloat16 3 x 2 x 1408", *(g % "bfloat16" for g in gated)]
+    assert all(r["peer"] in ("torch ops", "int8 matmul, then the C op") and r["ours_ms"] > 0 and r["peer_ms"] > 0
+               for r in rows)
 
 
 def test_refuses_zero_repeats(capsys):
