@@ -1,7 +1,7 @@
 """CPU: a Llama-family decoder layer with INT8 W8A8 linears as one C call (kernels/cpu_decoder_layer.c).
 
 The layer's modules call a C op each (norm, int8 matmul, rotary, store_kv, paged attention, SiLU),
-with Python between them; at decode that Python cost as much as the matmuls. The fused call runs
+with Python between them; at decode that Python cost as much as the int8 matmuls. The fused call runs
 the same ops in the same order on the same bytes, so it is bit-identical to the modules; it is a
 fast path in front of them, as CUDA graphs are on GPUs:
 
@@ -52,7 +52,7 @@ def bind_fused_decoder_layers(model: torch.nn.Module, dtype: torch.dtype) -> int
         elif i == 0:
             logger.debug("decoder layers run as modules: %s", why)
     if bound:
-        logger.info("CPU: %d of %d decoder layers run as one C call each at decode", bound, len(layers))
+        logger.info("CPU: %d of %d decoder layers run as one C call each", bound, len(layers))
     return bound
 
 
