@@ -29,7 +29,7 @@ import functools
 import torch
 
 from kernels._validate import check_paged_attention
-from kernels.cpu_build import cpu_flags, load_kernel_library
+from kernels.cpu_build import bind_signatures, cpu_flags, load_kernel_library
 from kernels.cpu_dtypes import DT_CODES
 from kernels import cpu_ops
 from kernels._validate import check_store_kv
@@ -47,15 +47,15 @@ AMX_BF16_KERNEL_MAX_Q_LEN = 64
 # ... and where the AMX chunk kernel (cpu_chunk_attention.c) takes the chunk, it overtakes the
 # row kernel past one tile of 16 query rows (same command).
 AMX_CHUNK_ROW_MAX_Q_LEN = 16
-# Return codes of rayllm_paged_attention (cpu_paged_attention.c).
+# Return codes of rayllm_paged_attention (cpu_paged_attention.c) and rayllm_chunk_attention.
 _ERRORS = {
     1: "a sequence has q_len > seq_len, or seq_len beyond its block_tables row "
        "(max_blocks * block_size)",
     2: "block_tables holds a block id outside the cache",
     4: "cu_seqlens_q must start at 0, never decrease and end at num_tokens",
     5: "the tensors' dtype is not one the kernel takes",
+    6: "the AMX chunk kernel does not take these (not bf16, a head_dim off 32, a soft cap or sinks)",
 }
-_ERR_UNSUPPORTED = 6  # rayllm_chunk_attention: not bf16 on AMX, a head_dim off 32, a soft cap or sinks
 _ERR_NO_MEMORY = 3
 
 
@@ -87,12 +87,10 @@ def _kernel():
 def _chunk_kernel():
     """The AMX entry point for long bf16 chunks (cpu_chunk_attention.c), or None where it cannot
     run (no AMX-BF16, tiles refused, or the library unbuilt): SDPA runs those chunks then."""
-    lib = load_kernel_library(_LIB_NAME)
-    if lib is None or not lib.rayllm_chunk_attention_available():
-        return None
-    fn = lib.rayllm_chunk_attention
-    fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
-    return fn
+    lib = bind_signatures(load_kernel_library(_LIB_NAME),
+                          {"rayllm_chunk_attention_available": ([], ctypes.c_int),
+                           "rayllm_chunk_attention": ([ctypes.POINTER(_Args)], ctypes.c_int)})
+    return lib.rayllm_chunk_attention if lib is not None and lib.rayllm_chunk_attention_available() else None
 
 
 def kernel_available() -> bool:

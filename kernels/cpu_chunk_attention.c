@@ -49,7 +49,7 @@ typedef struct {
     float m[QB], l[QB], alpha[QB];
 } Chunk;
 
-/* Element offset of key t's row for this item's kv head. */
+/* Key t's row for this item's kv head, in `cache` (the item's k_cache or v_cache). */
 INLINE const uint16_t *key_row(const Chunk *c, const void *cache, int64_t t) {
     const Args *a = c->a;
     const int64_t bs = a->block_size;
@@ -281,14 +281,10 @@ int rayllm_chunk_attention(const Args *a) {
 #if HAVE_AMX_BF16
     if (!amx_ready() || a->dtype != DT_BF16 || a->head_dim % 32 || a->soft_cap != 0.0f || a->sinks)
         return ERR_UNSUPPORTED;
-    if (a->cu_seqlens_q[0] != 0 || a->cu_seqlens_q[a->num_seqs] != a->num_tokens) return ERR_QUERY_ROWS;
+    const int checked = check_seqs(a);
+    if (checked) return checked;
     int64_t num_long = 0;
-    for (int64_t s = 0; s < a->num_seqs; s++) {
-        const int64_t q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s], seq_len = a->seq_lens[s];
-        if (q_len < 0) return ERR_QUERY_ROWS;
-        if (q_len > seq_len || seq_len > a->max_blocks * a->block_size) return ERR_SEQ_LEN;
-        num_long += q_len > a->max_q_len;
-    }
+    for (int64_t s = 0; s < a->num_seqs; s++) num_long += a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s] > a->max_q_len;
     int64_t *longs = malloc((num_long + 1) * sizeof(int64_t));
     if (!longs) return ERR_NO_MEMORY;
     for (int64_t s = 0, i = 0; s < a->num_seqs; s++)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from kernels.cpu_build import load_kernel_library
+from kernels.cpu_build import bind_signatures, load_kernel_library
 
 _LIB_NAME = "cpu_decoder_layer"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -46,25 +46,22 @@ class LayerArgs(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    lib = load_kernel_library(_LIB_NAME)
-    if lib is None:
-        return None
-    fn = lib.rayllm_decoder_layer
-    fn.argtypes, fn.restype = [ctypes.POINTER(LayerArgs)], ctypes.c_int
-    return fn
+def _lib():
+    """The loaded library with its signature set, or None (disabled or unbuildable)."""
+    return bind_signatures(load_kernel_library(_LIB_NAME),
+                           {"rayllm_decoder_layer": ([ctypes.POINTER(LayerArgs)], ctypes.c_int)})
 
 
 def available() -> bool:
     """Whether the fused layer runs here: the library built, and its int8 matmul has AVX-512 VNNI."""
     from kernels import cpu_int8
 
-    return _kernel() is not None and cpu_int8.available()
+    return _lib() is not None and cpu_int8.available()
 
 
 def run_decoder_layer(args: LayerArgs) -> None:
     """One call; MemoryError or ValueError naming the op that failed (the ops after it did not run)."""
-    err = _kernel()(ctypes.byref(args))
+    err = _lib().rayllm_decoder_layer(ctypes.byref(args))
     if err:
         exc, what = _ERRORS.get(err, (RuntimeError, f"error {err}"))
         raise exc(f"cpu decoder layer: {what}")

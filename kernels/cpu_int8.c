@@ -169,16 +169,21 @@ INLINE void store_bf16(uint16_t *dst, __m512 f, __mmask16 mask) {
     _mm256_mask_storeu_epi16(dst, mask, ri);
 }
 
+/* float(acc - comp) * x_scale * w_scale, in that order (as torch's `acc.float() * x_scale * w_scale`):
+ * every output of this kernel, plain or gated, is this value before its rounding. */
+INLINE __m512 dequantize(__m512i acc, __m512i comp, float x_scale, __m512 ws) {
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, comp)), _mm512_set1_ps(x_scale)), ws);
+}
+
 /* Output y[m, n..n+16) from its sums acc: acc - comp, scaled by x_scale[m] and ws (w_scale[n..]),
  * stored in out_dt (a constant once inlined). */
 INLINE void store_row(const Gemm *g, __m512i acc, __m512i comp, __m512 ws, __mmask16 mask, int64_t m, int64_t n,
                       const int out_dt) {
-    const __m512i v = _mm512_sub_epi32(acc, comp);
     if (out_dt == OUT_I32) {
-        _mm512_mask_storeu_epi32((int32_t *)g->y + m * g->N + n, mask, v);
+        _mm512_mask_storeu_epi32((int32_t *)g->y + m * g->N + n, mask, _mm512_sub_epi32(acc, comp));
         return;
     }
-    const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(g->x_scale[m])), ws);
+    const __m512 f = dequantize(acc, comp, g->x_scale[m], ws);
     if (out_dt == OUT_F32)
         _mm512_mask_storeu_ps((float *)g->y + m * g->N + n, mask, f);
     else
@@ -265,9 +270,9 @@ static void amx_store_gated(const Gemm *g, const int32_t cg[16][LANES], const in
     const __m512 ws_g = _mm512_loadu_ps(g->w_scale + n), ws_u = _mm512_loadu_ps(g->w_scale + half + n);
     const int rows = g->M - m0 < 16 ? (int)(g->M - m0) : 16;
     for (int r = 0; r < rows; r++) {
-        const __m512 xs = _mm512_set1_ps(g->x_scale[m0 + r]);
-        const __m512 fg = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cg[r]), comp_g)), xs), ws_g);
-        const __m512 fu = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cu[r]), comp_u)), xs), ws_u);
+        const float xs = g->x_scale[m0 + r];
+        const __m512 fg = dequantize(_mm512_load_si512(cg[r]), comp_g, xs, ws_g);
+        const __m512 fu = dequantize(_mm512_load_si512(cu[r]), comp_u, xs, ws_u);
         vec gv, uv;
         memcpy(&gv, &fg, sizeof gv);
         memcpy(&uv, &fu, sizeof uv);

@@ -140,24 +140,26 @@ def _check(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None,
 
 
 def _gemm(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.Tensor | None,
-          out_dtype: torch.dtype, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+          out_dtype: torch.dtype, isa: str, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, x_scale [M, 1]): y [M, N] in out_dtype, or with `gated` silu(gate) * up [M, N / 2] (AMX only)."""
     _check(x, w, input_scale, isa)
     lib = _lib()
     if lib is None:
         raise RuntimeError("the CPU int8 VNNI kernel is not available (disabled, no C compiler, or no AVX-512 VNNI)")
+    if gated and not lib.rayllm_int8_amx_available():
+        raise RuntimeError(f"cpu_int8: {_ERRORS[4]}")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], w.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype)
+    y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype)
     x_scale = torch.empty(m, 1, dtype=torch.float32)
     if m:
-        err = lib.rayllm_int8_w8a8_gemm(
-            x.data_ptr(), m, x.stride(0), _DTYPE_CODES[x.dtype],
-            None if input_scale is None else input_scale.data_ptr(), w.packed.data_ptr(), w.comp.data_ptr(),
-            w.scale.data_ptr(), w.in_features, n, y.data_ptr(), _DTYPE_CODES[out_dtype], x_scale.data_ptr(),
-            ISAS[isa])
+        args = (x.data_ptr(), m, x.stride(0), _DTYPE_CODES[x.dtype],
+                None if input_scale is None else input_scale.data_ptr(), w.packed.data_ptr(), w.comp.data_ptr(),
+                w.scale.data_ptr(), w.in_features, n, y.data_ptr(), _DTYPE_CODES[out_dtype], x_scale.data_ptr())
+        err = lib.rayllm_int8_w8a8_gemm_silu(*args) if gated else lib.rayllm_int8_w8a8_gemm(*args, ISAS[isa])
         if err:
-            raise (MemoryError if err == 2 else RuntimeError)(f"cpu_int8: {_ERRORS.get(err, err)}")
+            raise {2: MemoryError, 5: ValueError}.get(err, RuntimeError)(f"cpu_int8: {_ERRORS.get(err, err)}")
     return y, x_scale
 
 
@@ -177,22 +179,7 @@ def int8_linear_silu_cpu(x: torch.Tensor, w: CpuInt8Weights, input_scale: torch.
     """x [M, K] -> silu(gate) * up of the [M, N] output's halves [gate | up], [M, N / 2] in x's dtype:
     int8_linear_cpu then cpu_ops.silu_and_mul to the bit, in one pass on AMX tiles (amx_available()
     must hold, and N be a multiple of 32)."""
-    _check(x, w, input_scale, "amx")
-    if not amx_available():
-        raise RuntimeError(f"cpu_int8: {_ERRORS[4]}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, n = x.shape[0], w.shape[0]
-    y = torch.empty(m, n // 2, dtype=x.dtype)
-    x_scale = torch.empty(m, dtype=torch.float32)
-    if m:
-        err = _lib().rayllm_int8_w8a8_gemm_silu(
-            x.data_ptr(), m, x.stride(0), _DTYPE_CODES[x.dtype],
-            None if input_scale is None else input_scale.data_ptr(), w.packed.data_ptr(), w.comp.data_ptr(),
-            w.scale.data_ptr(), w.in_features, n, y.data_ptr(), _DTYPE_CODES[x.dtype], x_scale.data_ptr())
-        if err:
-            raise (MemoryError if err == 2 else ValueError)(f"cpu_int8: {_ERRORS.get(err, err)}")
-    return y
+    return _gemm(x, w, input_scale, x.dtype if isinstance(x, torch.Tensor) else torch.float32, "amx", gated=True)[0]
 
 
 def quantize_reference(x: torch.Tensor, input_scale: torch.Tensor | None = None):

@@ -361,13 +361,24 @@ static int run_item(Item *it, attend_fn fn, int64_t seq, int64_t r0, int64_t nr)
 }
 
 /* first[s] = work items (row tiles) of sequences before s; skipped sequences get none. */
-static int plan_tiles(const Args *a, int64_t *first) {
+/* ERR_QUERY_ROWS or ERR_SEQ_LEN where the batch's query rows or lengths do not fit together, else 0:
+ * what both entry points (this file's and cpu_chunk_attention.c's) check before reading a row. */
+static int check_seqs(const Args *a) {
     if (a->cu_seqlens_q[0] != 0 || a->cu_seqlens_q[a->num_seqs] != a->num_tokens) return ERR_QUERY_ROWS;
-    first[0] = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) {
         const int64_t q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s], seq_len = a->seq_lens[s];
         if (q_len < 0) return ERR_QUERY_ROWS;
         if (q_len > seq_len || seq_len > a->max_blocks * a->block_size) return ERR_SEQ_LEN;
+    }
+    return 0;
+}
+
+static int plan_tiles(const Args *a, int64_t *first) {
+    const int err = check_seqs(a);
+    if (err) return err;
+    first[0] = 0;
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        const int64_t q_len = a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s];
         first[s + 1] = first[s] + (q_len > a->max_q_len ? 0 : (q_len + ROWS_TILE - 1) / ROWS_TILE);
     }
     return 0;
