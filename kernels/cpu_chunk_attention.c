@@ -285,6 +285,7 @@ int rayllm_chunk_attention(const Args *a) {
     if (checked) return checked;
     int64_t num_long = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) num_long += a->cu_seqlens_q[s + 1] - a->cu_seqlens_q[s] > a->max_q_len;
+    if (!num_long) return 0; /* a decode step (the fused layer calls every step): no tiles, no scratch */
     int64_t *longs = malloc((num_long + 1) * sizeof(int64_t));
     if (!longs) return ERR_NO_MEMORY;
     for (int64_t s = 0, i = 0; s < a->num_seqs; s++)
